@@ -1,0 +1,47 @@
+"""Shared test set-up: a private NORTHCODE_HOME, the `gpu` marker's skip, and a tiny checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test imports northcode: keep the demo checkpoint and sessions out of the user's home.
+    if "NORTHCODE_HOME" not in os.environ:
+        import tempfile
+
+        os.environ["NORTHCODE_HOME"] = tempfile.mkdtemp(prefix="northcode-test-home-")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    if os.environ.get("NORTHCODE_REQUIRE_GPU") == "1":
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.xfail(reason="NORTHCODE_REQUIRE_GPU=1 but no CUDA", run=False, strict=True))
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run on the H200 through the device tool)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A `tiny` synthetic checkpoint folder (seed 0), written once per test session."""
+    from northcode.engine.synthetic import create_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-checkpoint")
+    create_checkpoint("tiny", out, seed=0)
+    return out
