@@ -27,10 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if _cuda_available():
         return
     if os.environ.get("NORTHCODE_REQUIRE_GPU") == "1":
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(pytest.mark.xfail(reason="NORTHCODE_REQUIRE_GPU=1 but no CUDA", run=False, strict=True))
-        return
+        return  # let the gpu tests run and fail: a GPU job must not pass by skipping
     skip = pytest.mark.skip(reason="needs CUDA (run on the H200 through the device tool)")
     for item in items:
         if "gpu" in item.keywords:
