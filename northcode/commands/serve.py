@@ -1,0 +1,101 @@
+"""`northcode serve`: the OpenAI-compatible endpoint (starlette + uvicorn) on a local port.
+
+uvicorn starts first and the model loads in a background thread, so GET /health answers 503
+with the loading phase until the engine is ready. Loopback only unless --host says otherwise.
+When the model is ready the URL and an OpenCode provider snippet are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+
+HELP = "serve the model on a local OpenAI-compatible endpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the demo checkpoint, random weights)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    parser.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every API request")
+    parser.add_argument("--served-model-name", default="north-mini-code", help="model id in /v1/models and responses")
+    parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default: 8)")
+    parser.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch before 503 (default: 32)")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by the KV pool)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.90, help="of free GPU memory for the KV cache (default: 0.90)")
+    parser.add_argument("--backend", choices=("torch", "megakernel"), default="torch", help="decode backend (default: torch)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--num-pages", type=int, help="fixed KV pool size in 64-token pages (default: from memory)")
+    parser.add_argument("--system-prompt", help="system prompt used when a chat has none ('' for none)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def opencode_snippet(base_url: str, model_name: str, context: int, api_key: str | None) -> str:
+    options = {"baseURL": f"{base_url}/v1", **({"apiKey": api_key} if api_key else {})}
+    provider = {"northcode": {
+        "npm": "@ai-sdk/openai-compatible", "name": "northcode", "options": options,
+        "models": {model_name: {"name": model_name, "limit": {"context": context, "output": min(32000, context // 4)},
+                                "tool_call": True, "reasoning": True}},
+    }}
+    return json.dumps({"$schema": "https://opencode.ai/config.json", "provider": provider}, indent=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from northcode.engine.settings import EngineSettings
+    from northcode.paths import model_display_name, resolve_model
+    from northcode.server.app import create_app
+    from northcode.server.state import DEFAULT_SYSTEM_PROMPT, ServerOptions, ServerState
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: must be in [0, 65535]")
+    settings = EngineSettings(max_batch=args.max_batch, gpu_memory_fraction=args.gpu_memory_fraction, backend=args.backend,
+                              device=args.device, max_model_len=args.max_model_len, num_pages=args.num_pages)
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
+    model_dir = resolve_model(args.model)
+    system_prompt = DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
+    options = ServerOptions(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
+                            max_queue=args.max_queue, default_system_prompt=system_prompt)
+    state = ServerState(options)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the model", file=sys.stderr)
+    print(f"northcode serve: loading {model_display_name(model_dir)} from {model_dir}", file=sys.stderr)
+    state.load_in_background(model_dir, settings)
+    outcome: dict = {}
+    threading.Thread(target=_announce_when_ready, args=(state, server, args, outcome), daemon=True).start()
+    try:
+        server.run()
+    finally:
+        if state.engine is not None:
+            state.engine.shutdown()
+    return 1 if outcome.get("failed") else 0
+
+
+def _announce_when_ready(state, server, args: argparse.Namespace, outcome: dict) -> None:
+    import time
+
+    last_phase = None
+    while not state.ready and state.load_error is None:
+        if state.phase != last_phase:
+            print(f"  {state.phase}", file=sys.stderr)
+            last_phase = state.phase
+        time.sleep(0.1)
+    if state.load_error is not None:
+        print(f"northcode serve: error: the model failed to load: {state.load_error}", file=sys.stderr)
+        outcome["failed"] = True
+        server.should_exit = True
+        return
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    base_url = f"http://{host}:{port}"
+    print(f"\nnorthcode serve: ready at {base_url}/v1 (model id {state.options.model_name!r}, "
+          f"context {state.engine.max_model_len} tokens)", file=sys.stderr)
+    print("OpenCode: put this in opencode.json (or ~/.config/opencode/opencode.json):", file=sys.stderr)
+    print(opencode_snippet(base_url, state.options.model_name, state.engine.max_model_len, args.api_key), file=sys.stderr)

@@ -1,0 +1,155 @@
+"""create_app: the starlette application: routes, the API-key check, and the error handlers.
+
+Every failure leaves as the OpenAI error body {"error": {message, type, param, code}} with a
+fitting status: RequestError carries its own, an unknown route is a 404, anything unexpected a
+500 whose message names the exception (the traceback goes to the log, never to the client).
+The handlers for the two generation endpoints live in chat.py and completions.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from northcode.server.chat import build_prompt, chat_completions
+from northcode.server.completions import completions, prompt_ids_of
+from northcode.server.errors import RequestError, error_body
+from northcode.server.request_body import read_json
+from northcode.server.state import ServerState
+
+log = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (monitoring)
+
+
+async def health(request: Request) -> JSONResponse:
+    state = request.app.state.server
+    if state.load_error is not None:
+        return JSONResponse({"status": "error", "phase": state.phase, "error": state.load_error}, status_code=503)
+    if not state.ready:
+        return JSONResponse({"status": "loading", "phase": state.phase}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.options.model_name})
+
+
+async def models(request: Request) -> JSONResponse:
+    state = request.app.state.server
+    state.require_ready()
+    card = {"id": state.options.model_name, "object": "model", "created": state.created, "owned_by": "northcode",
+            "max_model_len": state.engine.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def metrics(request: Request) -> Response:
+    from northcode.server.metrics import CONTENT_TYPE
+
+    state = request.app.state.server
+    stats = state.engine.stats() if state.ready else None
+    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    """{"prompt": str} or a chat body ({"messages", "tools", ...}) -> {"tokens", "count", "max_model_len"}."""
+    state = request.app.state.server
+    state.require_ready()
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    tokenizer = state.engine.tokenizer
+    if isinstance(body.get("prompt"), str):
+        prompt = body["prompt"]
+        with_bos = body.get("add_special_tokens", True) is not False
+        ids = prompt_ids_of(tokenizer, prompt) if with_bos else tokenizer.encode(prompt, allow_special=True)
+    elif "messages" in body:
+        ids = build_prompt(state, body)[1]  # exactly what a chat request with this body would send
+    else:
+        raise RequestError("send either prompt (a string) or messages (an array)", "prompt")
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len})
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    state = request.app.state.server
+    state.require_ready()
+    body = await read_json(request)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    vocab = state.engine.tokenizer.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+        raise RequestError(f"tokens must be an array of token ids in [0, {vocab})", "tokens")
+    return JSONResponse({"prompt": state.engine.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+
+def _error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _on_request_error(request: Request, exc: RequestError) -> JSONResponse:
+    return _error_response(exc.status, exc.body(), exc.headers)
+
+
+async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error_response(exc.status_code, error_body(message, kind), getattr(exc, "headers", None))
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error in %s %s", request.method, request.url.path)
+    return _error_response(500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+
+class GuardMiddleware:
+    """API-key check (Authorization: Bearer KEY, or x-api-key) and the per-endpoint request counter."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        key = self.state.options.api_key
+        if key and path not in OPEN_PATHS and not _has_key(scope, key):
+            body = RequestError("missing or wrong API key: send Authorization: Bearer <key>", status=401, code="invalid_api_key")
+            self.state.metrics.count_request(path, 401)
+            return await _error_response(401, body.body(), {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        status = {}
+
+        async def send_recording(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_recording)
+        finally:
+            if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+                self.state.metrics.count_request(path, status.get("code", 500))
+
+
+def _has_key(scope, key: str) -> bool:
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    given = headers.get("authorization", "")
+    given = given[7:].strip() if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def create_app(state: ServerState) -> Starlette:
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    handlers = {RequestError: _on_request_error, HTTPException: _on_http_error, Exception: _on_unexpected}
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    app.state.server = state
+    app.add_middleware(GuardMiddleware, state=state)
+    return app
