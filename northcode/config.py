@@ -68,6 +68,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        self._validate_layer_counts()  # before the derivations below divide by them
         if self.num_key_value_heads is None:
             set_("num_key_value_heads", self.num_attention_heads)
         if self.layer_types is None:
@@ -115,7 +116,7 @@ class ModelConfig:
         return self.prefix_dense_intermediate_size or self.intermediate_size
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
+    def eos_token_ids(self) -> tuple:
         if self.eos_token_id is None:
             return ()
         return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
@@ -138,16 +139,59 @@ class ModelConfig:
 
     # --- validation ---
 
-    def _validate(self) -> None:
-        def reject(name: str, value: Any, why: str) -> None:
-            raise ValueError(f"config.json: {name} = {value!r}: {why}")
+    def _validate_layer_counts(self) -> None:
+        for name in ("num_hidden_layers", "sliding_window_pattern", "prefix_dense_sliding_window_pattern"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                _reject(name, value, "must be a positive integer")
+        if not _is_int(self.first_k_dense_replace) or not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            _reject("first_k_dense_replace", self.first_k_dense_replace,
+                    f"must be an integer from 0 to num_hidden_layers ({self.num_hidden_layers})")
+        for name in ("layer_types", "mlp_layer_types"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                _reject(name, value, "must be a list of strings")
 
+    def _validate(self) -> None:
+        self._validate_types()
+        self._validate_geometry()
+        self._validate_choices()
+
+    def _validate_types(self) -> None:
+        """Every field of the kind config.json must give (ints, numbers, booleans, ids)."""
+        reject = _reject
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
                      "num_experts_per_tok", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 reject(name, value, "must be a positive integer")
+        if self.prefix_dense_intermediate_size is not None and (
+                not _is_int(self.prefix_dense_intermediate_size) or self.prefix_dense_intermediate_size <= 0):
+            reject("prefix_dense_intermediate_size", self.prefix_dense_intermediate_size,
+                   "must be a positive integer or null")
+        if not _is_int(self.num_shared_experts):
+            reject("num_shared_experts", self.num_shared_experts, "must be an integer")
+        for name in ("logit_scale", "rope_theta", "layer_norm_eps"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                reject(name, getattr(self, name), "must be a number")
+        if self.rms_norm_eps is not None and (not isinstance(self.rms_norm_eps, (int, float))
+                                              or isinstance(self.rms_norm_eps, bool)):
+            reject("rms_norm_eps", self.rms_norm_eps, "must be a number or absent")
+        for name in ("tie_word_embeddings", "norm_topk_prob", "use_parallel_block", "use_qk_norm", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                reject(name, getattr(self, name), "must be true or false")
+        for name in ("bos_token_id", "pad_token_id"):
+            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+                reject(name, getattr(self, name), "must be an integer or null")
+        if not all(_is_int(i) and i >= 0 for i in self.eos_token_ids):
+            reject("eos_token_id", self.eos_token_id, "must be a token id, a list of token ids, or null")
+        if self.sliding_window is not None and not _is_int(self.sliding_window):
+            reject("sliding_window", self.sliding_window, "must be a positive integer or null")
+
+    def _validate_geometry(self) -> None:
+        """Shapes that fit together, and a layer plan of the right length and kinds."""
+        reject = _reject
         if self.num_attention_heads % self.num_key_value_heads:
             reject("num_key_value_heads", self.num_key_value_heads,
                    f"must divide num_attention_heads ({self.num_attention_heads})")
@@ -167,6 +211,10 @@ class ModelConfig:
         for i, kind in enumerate(self.mlp_layer_types):
             if kind not in MLP_LAYER_TYPES:
                 reject(f"mlp_layer_types[{i}]", kind, f"must be one of {list(MLP_LAYER_TYPES)}")
+
+    def _validate_choices(self) -> None:
+        """The branches of cohere2_moe that northcode implements, and positive windows and epsilons."""
+        reject = _reject
         if self.expert_selection_fn not in EXPERT_SELECTION_FNS:
             reject("expert_selection_fn", self.expert_selection_fn, f"must be one of {list(EXPERT_SELECTION_FNS)}")
         if self.shared_expert_combination_strategy not in SHARED_EXPERT_STRATEGIES:
@@ -240,6 +288,14 @@ class ModelConfig:
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         out.update(self.extra)
         return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reject(name: str, value: Any, why: str) -> None:
+    raise ValueError(f"config.json: {name} = {value!r}: {why}")
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
