@@ -1,0 +1,87 @@
+"""Who decides whether a tool call runs: the mode, the session's standing approvals, or the user.
+
+Modes: `ask` (reads run; edits and shell commands ask), `auto-edit` (reads and edits run; shell
+asks), `full-auto` (everything runs). The answer to a question is allow once, allow for this
+session (every edit from then on; for shell, that exact command again) or deny. With no one to
+ask (headless), a call that needs a question is denied with a reason the model can read.
+The sandbox's path checks hold in every mode; approvals never widen them. Shell commands that
+can do damage beyond the workspace (sudo, recursive deletes of absolute, home or parent paths,
+force pushes, disk writes) ask even in full-auto, and are never allowed for the whole session.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Awaitable, Callable
+
+from northcode.agent.tools import PreparedCall
+
+
+class Mode(str, enum.Enum):
+    ASK = "ask"
+    AUTO_EDIT = "auto-edit"
+    FULL_AUTO = "full-auto"
+
+    @classmethod
+    def parse(cls, value: str) -> Mode:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"mode {value!r}: expected one of {', '.join(m.value for m in cls)}") from None
+
+    def next(self) -> Mode:
+        modes = list(Mode)
+        return modes[(modes.index(self) + 1) % len(modes)]
+
+
+class Decision(str, enum.Enum):
+    ALLOW_ONCE = "allow once"
+    ALLOW_SESSION = "allow for this session"
+    DENY = "deny"
+
+
+DANGEROUS_COMMAND = re.compile(
+    r"(^|[;&|(`]\s*|\s)(sudo|doas|mkfs(\.\w+)?|shutdown|reboot)\b"  # privileges, disks, the machine
+    r"|\brm\s+(-\w+\s+)*-\w*[rR]\w*\s+(-\w+\s+)*(/|~|\$HOME|\.\.)"  # recursive delete outside
+    r"|\bgit\s+push\b.*\s(--force\b|-f\b)"  # rewriting a shared history
+    r"|\bdd\b.*\bof=/dev/|>\s*/dev/sd"  # raw disk writes
+)
+
+
+def is_dangerous(command: str) -> bool:
+    """Whether a shell command can do damage beyond the workspace, so it must always ask."""
+    return DANGEROUS_COMMAND.search(command) is not None
+
+
+AUTO_KINDS = {Mode.ASK: {"read"}, Mode.AUTO_EDIT: {"read", "edit"}, Mode.FULL_AUTO: {"read", "edit", "shell"}}
+Asker = Callable[[PreparedCall], Awaitable[Decision]]
+
+
+class Approvals:
+    """The approval state of one session: its mode (changeable at any time) and standing approvals."""
+
+    def __init__(self, mode: Mode, ask: Asker | None) -> None:
+        self.mode = mode
+        self.ask = ask  # None: headless, questions are denied
+        self.session_allowed: set[tuple[str, str]] = set()  # ("edit", "") or ("shell", command)
+
+    def _session_key(self, call: PreparedCall) -> tuple[str, str]:
+        return (call.kind, call.preview if call.kind == "shell" else "")
+
+    async def decide(self, call: PreparedCall) -> tuple[bool, str]:
+        """Whether `call` may run, and why (the reason goes to the model when it is denied)."""
+        dangerous = call.kind == "shell" and is_dangerous(call.preview)
+        if call.kind in AUTO_KINDS[self.mode] and not dangerous:
+            return True, f"allowed by mode {self.mode.value}"
+        if self._session_key(call) in self.session_allowed and not dangerous:
+            return True, "allowed for this session"
+        if self.ask is None:
+            return False, (f"denied: mode {self.mode.value} needs the user's approval for {call.kind} calls "
+                           "and no one can answer in a headless run")
+        decision = await self.ask(call)
+        if decision is Decision.ALLOW_SESSION and not dangerous:
+            self.session_allowed.add(self._session_key(call))
+        if decision is Decision.DENY:
+            return False, "denied by the user"
+        return True, decision.value

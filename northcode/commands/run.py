@@ -1,0 +1,143 @@
+"""`northcode run -p "task"`: the agent loop without the UI, for scripts.
+
+The final answer goes to stdout (or, with --json, one JSON transcript: the messages, the
+answer, why the run stopped, token usage); progress (server start-up, tool calls) goes to
+stderr. No one can answer approval questions here, so calls that would ask are denied and the
+model is told why: pick --mode auto-edit or full-auto to let it edit or run commands.
+Exit codes: 0 done, 1 the endpoint failed, 2 bad input, 3 step limit reached, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+HELP = "run the agent headless on a task: northcode run -p 'task'"
+EXIT_OK, EXIT_ENDPOINT, EXIT_STEP_LIMIT = 0, 1, 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-p", "--prompt", required=True, help="the task (use - to read it from stdin)")
+    parser.add_argument("--mode", default="auto-edit", choices=["ask", "auto-edit", "full-auto"],
+                        help="ask: only reads run; auto-edit (default): reads and edits; full-auto: also shell commands")
+    parser.add_argument("--json", action="store_true", help="print a JSON transcript instead of the answer")
+    parser.add_argument("--endpoint", help="an OpenAI-compatible server (default: northcode serve on 127.0.0.1:8000, "
+                                           "started in the background if needed)")
+    parser.add_argument("--model", type=Path, help="checkpoint folder for the server northcode starts")
+    parser.add_argument("--max-steps", type=int, default=25, help="model calls at most (default 25)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per model answer at most (default: the server's)")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("-s", "--session", metavar="ID", help="continue a saved session (its id is in the --json output)")
+    resume.add_argument("-c", "--continue", dest="continue_last", action="store_true",
+                        help="continue this workspace's most recent session")
+    parser.add_argument("path", nargs="?", default=".", type=Path, help="the workspace (default: this folder)")
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _on_event(event) -> None:
+    from northcode.agent.client import Completion
+    from northcode.agent.loop import ToolEvent
+
+    if isinstance(event, ToolEvent):
+        if event.output is None:
+            _progress(f"→ {event.prepared.title if event.prepared else event.call.name}")
+        else:
+            first_line = event.output.strip().splitlines()[0][:120] if event.output.strip() else ""
+            _progress(f"  {'✓' if event.ok else '✗'} {first_line}")
+    elif isinstance(event, Completion) and event.usage:
+        usage = event.usage
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        _progress(f"  [{usage.get('prompt_tokens')} prompt tokens ({cached} cached), "
+                  f"{usage.get('completion_tokens')} generated]")
+
+
+def _check(args: argparse.Namespace) -> str:
+    if args.max_steps < 1:
+        raise ValueError(f"--max-steps {args.max_steps}: expected at least 1")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: expected at least 1")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise ValueError("--prompt: the task is empty")
+    return prompt
+
+
+async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
+    from northcode import paths
+    from northcode.agent.approvals import Approvals, Mode
+    from northcode.agent.client import ChatClient, EndpointError
+    from northcode.agent.loop import Agent
+    from northcode.agent.sandbox import Workspace
+    from northcode.agent.server_process import connect, model_label
+    from northcode.agent.sessions import SessionRecorder, SessionStore
+    from northcode.agent.tools import ToolBox
+
+    workspace = Workspace(args.path)
+    model_dir = paths.resolve_model(args.model) if args.model is not None else None
+    store = SessionStore()
+    session_id = _session_to_continue(args, store, workspace.root)  # bad ids fail before any server starts
+    transcript: dict = {"workspace": str(workspace.root), "mode": args.mode, "ok": False, "error": None}
+    try:
+        root, known_model = await connect(args.endpoint, model_dir,
+                                          lambda phase: _progress(f"northcode run: server {phase}"))
+        client = ChatClient(root)
+        served = await client.resolve_model()
+        card = next((m for m in await client.list_models() if m.get("id") == served), {"id": served})
+    except EndpointError as err:
+        transcript["error"] = str(err)
+        return EXIT_ENDPOINT, transcript
+    label = model_label(card, known_model)
+    _progress(f"northcode run: {label} at {root}, workspace {workspace.root}, mode {args.mode}")
+    history = store.messages(session_id) if session_id else None
+    recorder = SessionRecorder(store, workspace.root, served, session_id)
+    params = {"max_tokens": args.max_tokens} if args.max_tokens else {}
+    toolbox = ToolBox(workspace, paths.data_dir() / "tool-output")
+    agent = Agent(client, toolbox, Approvals(Mode.parse(args.mode), ask=None), messages=history, max_steps=args.max_steps,
+                  on_message=recorder.save, on_event=_on_event, request_params=params)
+    transcript.update(model=served, model_label=label, endpoint=root)
+    try:
+        result = await agent.run_turn(prompt)
+    except EndpointError as err:
+        transcript.update(error=str(err), messages=agent.messages, session_id=recorder.session_id)
+        return EXIT_ENDPOINT, transcript
+    finally:
+        await client.aclose()
+        store.close()
+    transcript["session_id"] = recorder.session_id
+    transcript.update(ok=result.stop_reason != "step_limit", answer=result.answer, stop_reason=result.stop_reason,
+                      num_steps=result.num_steps, usage=result.last.usage if result.last else None,
+                      messages=agent.messages)
+    if result.stop_reason == "step_limit":
+        transcript["error"] = f"stopped at the step limit ({args.max_steps} model calls) before an answer"
+        return EXIT_STEP_LIMIT, transcript
+    return EXIT_OK, transcript
+
+
+def _session_to_continue(args: argparse.Namespace, store, workspace_root: Path) -> str | None:
+    if args.session:
+        store.info(args.session)  # ValueError naming the id when there is no such session
+        return args.session
+    if args.continue_last:
+        sessions = store.list(workspace_root)
+        if not sessions:
+            raise ValueError(f"--continue: no saved session for {workspace_root}")
+        return sessions[0].id
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = _check(args)
+    code, transcript = asyncio.run(_run(args, prompt))
+    if args.json:
+        print(json.dumps(transcript, indent=2, ensure_ascii=False))
+    elif transcript.get("answer") is not None:
+        print(transcript["answer"])
+    if transcript["error"]:
+        _progress(f"northcode run: error: {transcript['error']}")
+    return code

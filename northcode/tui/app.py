@@ -1,0 +1,338 @@
+"""NorthcodeApp: the terminal app for chat and agent sessions, a client of an OpenAI-compatible endpoint.
+
+On start it finds or starts `northcode serve` (showing the loading phase), then runs one agent
+turn per prompt in an exclusive worker. Esc cancels that worker: the HTTP stream is closed,
+so the server aborts the request, and a running shell command's process group is killed.
+Messages are saved to the session store as they are appended (a session row is created with
+the first prompt). The status line shows model, mode, live tokens/s, TTFT, context, cache, KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.widgets import Footer
+
+from northcode import paths
+from northcode.agent import server_process
+from northcode.agent.approvals import Approvals, Decision, Mode
+from northcode.agent.client import ChatClient, Completion, Delta, EndpointError
+from northcode.agent.loop import Agent, ToolEvent
+from northcode.agent.mentions import expand_mentions
+from northcode.agent.metrics import kv_usage
+from northcode.agent.sandbox import Workspace
+from northcode.agent.sessions import SessionRecorder, SessionStore
+from northcode.agent.tools import PreparedCall, ToolBox
+from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
+from northcode.tui.slash import SlashCommands
+from northcode.tui.widgets import AssistantMessage, Notice, PromptInput, StatusLine, ToolCallView, UserMessage
+
+log = logging.getLogger(__name__)
+
+
+def context_window(models: list[dict], model_id: str) -> int | None:
+    """The context length a /v1/models entry states (vLLM, llama.cpp and northcode spell it differently)."""
+    for entry in models:
+        if entry.get("id") != model_id:
+            continue
+        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+        for value in (entry.get("max_model_len"), entry.get("context_length"), entry.get("context_window"),
+                      meta.get("n_ctx"), meta.get("n_ctx_train")):
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+class NorthcodeApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "northcode"
+    BINDINGS = [
+        Binding("escape", "stop", "stop", show=False),
+        Binding("shift+tab", "cycle_mode", "mode", priority=True),
+        Binding("ctrl+n", "new_session", "new"),
+        Binding("ctrl+s", "sessions", "sessions"),
+        Binding("f1", "help", "help"),
+        Binding("ctrl+q", "quit", "quit"),
+    ]
+
+    def __init__(self, workspace: Path, endpoint: str | None = None, model: Path | None = None,
+                 mode: Mode = Mode.ASK, resume: str | None = None, store: SessionStore | None = None,
+                 request_params: dict | None = None) -> None:
+        super().__init__()
+        self.workspace = Workspace(workspace)
+        self.endpoint, self.model_dir, self.resume_id = endpoint, model, resume
+        self.store = store or SessionStore()
+        self.approvals = Approvals(mode, self.ask_approval)
+        self.toolbox = ToolBox(self.workspace, paths.data_dir() / "tool-output")
+        self.request_params = request_params or {}
+        self.client: ChatClient | None = None
+        self.agent: Agent | None = None
+        self.recorder: SessionRecorder | None = None
+        self.models: list[dict] = []
+        self.model_label = ""
+        self.current: AssistantMessage | None = None
+        self.tool_views: dict[str, ToolCallView] = {}
+        self.stream_start: tuple[float, int] | None = None  # (elapsed_s, num_chunks) at the first fragment
+        self.slash = SlashCommands(self)
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(id="chat")
+        yield PromptInput(id="prompt")
+        yield StatusLine(id="status")
+        yield Footer()
+
+    @property
+    def chat(self) -> VerticalScroll:
+        return self.query_one("#chat", VerticalScroll)
+
+    @property
+    def status(self) -> StatusLine:
+        return self.query_one(StatusLine)
+
+    @property
+    def is_busy(self) -> bool:
+        return any(w.group == "turn" and w.is_running for w in self.workers)
+
+    def on_mount(self) -> None:
+        self.chat.anchor()
+        self.status.show(mode=self.approvals.mode.value, workspace=self.workspace.root.name)
+        self.query_one(PromptInput).focus()
+        self.connect()
+
+    async def on_unmount(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def add(self, widget) -> None:
+        await self.chat.mount(widget)
+
+    # --- connection ---
+
+    @work(exclusive=True, group="connect", exit_on_error=False)
+    async def connect(self) -> None:
+        progress = Notice("connecting to the model server…")  # updated in place with each loading phase
+        await self.add(progress)
+
+        kept: list[str] = []  # "started northcode serve on URL (pid N, log FILE)" and warnings stay on screen
+
+        def on_phase(phase: str) -> None:
+            if phase.startswith(("started", "the running server")):
+                kept.append(phase)
+            progress.update(f"model server: {phase}")
+            self.status.show(busy="" if phase.startswith("ready") else "loading…")
+
+        try:
+            root, known_model = await server_process.connect(self.endpoint, self.model_dir, on_phase)
+            self.client = ChatClient(root)
+            served = await self.client.resolve_model()
+            self.models = await self.client.list_models()
+        except (EndpointError, OSError, ValueError) as err:  # OSError: the server could not be started
+            self.status.show(model="offline", busy="")
+            progress.update(f"Cannot connect: {err}")
+            progress.set_classes("notice error")
+            return
+        card = next((m for m in self.models if m.get("id") == served), {"id": served})
+        self.model_label = server_process.model_label(card, known_model)
+        short_label = self.model_label.split(" (")[0] + " (RANDOM WEIGHTS)" if "RANDOM WEIGHTS" in self.model_label \
+            else self.model_label  # the welcome line has the whole name; the status line has little room
+        self.status.show(model=short_label, context_window=context_window(self.models, served), busy="")
+        progress.update(f"{self.model_label} · workspace {self.workspace.root.name} · /help for keys and commands")
+        for note in kept:
+            await self.add(Notice(note + ("; it keeps running after you quit" if note.startswith("started") else "")))
+        await self.refresh_metrics()
+        if self.resume_id:
+            await self.resume(self.resume_id)
+        else:
+            self.start_session()
+
+    async def refresh_metrics(self) -> None:
+        text = await self.client.metrics_text() if self.client else None
+        if text is not None:
+            self.status.show(kv_usage=kv_usage(text))
+
+    # --- sessions ---
+
+    @property
+    def session_id(self) -> str | None:
+        return self.recorder.session_id if self.recorder else None
+
+    def start_session(self, messages: list[dict] | None = None, session_id: str | None = None) -> None:
+        """A new conversation (or a resumed one); a turn still running keeps saving to its own session."""
+        assert self.client is not None
+        self.recorder = SessionRecorder(self.store, self.workspace.root, self.client.model or "", session_id)
+        self.agent = Agent(self.client, self.toolbox, self.approvals, messages=messages, on_message=self.recorder.save,
+                           on_event=self.on_agent_event, request_params=self.request_params)
+
+    async def resume(self, session_id: str) -> None:
+        try:
+            messages = self.store.messages(session_id)
+        except ValueError as err:
+            await self.add(Notice(str(err), "error"))
+            return
+        await self.chat.remove_children()
+        self.tool_views.clear()
+        self.start_session(messages, session_id)
+        for message in messages:
+            await self.show_saved(message)
+        await self.add(Notice(f"resumed session {session_id} ({len(messages)} messages)"))
+
+    async def show_saved(self, message: dict) -> None:
+        role = message.get("role")
+        if role == "user":
+            await self.add(UserMessage(str(message.get("content", ""))))
+        elif role == "assistant":
+            if message.get("content") or message.get("reasoning_content"):
+                await self.add(AssistantMessage(message.get("content") or "", message.get("reasoning_content") or ""))
+            for call in message.get("tool_calls") or []:
+                view = ToolCallView(f"{call['function']['name']} {call['function']['arguments'][:80]}")
+                self.tool_views[call["id"]] = view
+                await self.add(view)
+        elif role == "tool" and message.get("tool_call_id") in self.tool_views:
+            self.tool_views[message["tool_call_id"]].show_result(str(message.get("content", "")), True)
+
+    # --- a turn ---
+
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        if event.text.startswith("/"):
+            await self.slash.run(event.text)
+        elif self.agent is None:
+            self.notify("Not connected to a model yet.", severity="warning")
+        elif self.is_busy:
+            self.notify("Still answering: Esc stops it.", severity="warning")
+        else:
+            self.run_turn(event.text)
+
+    @work(exclusive=True, group="turn", exit_on_error=False)
+    async def run_turn(self, text: str) -> None:
+        assert self.agent is not None
+        expanded, attached = expand_mentions(text, self.workspace)
+        await self.add(UserMessage(text))
+        if attached:
+            await self.add(Notice(f"attached {', '.join(attached)}"))
+        self.status.show(busy="generating…")
+        self.set_timer(1.0, self.poll_metrics_while_busy)
+        try:
+            result = await self.agent.run_turn(expanded)
+            if result.stop_reason == "step_limit":
+                await self.add(Notice(f"Stopped after {result.num_steps} model calls (the step limit).", "error"))
+            elif result.stop_reason == "length":
+                await self.add(Notice("The answer was cut off at the token limit.", "error"))
+        except asyncio.CancelledError:
+            await self.end_stream()
+            await self.add(Notice("interrupted"))
+            raise
+        except EndpointError as err:
+            await self.end_stream()
+            await self.add(Notice(str(err), "error"))
+            self.query_one(PromptInput).text = text  # let the user retry without retyping
+        except Exception as err:  # a bug must not leave the app silently stuck: say what broke
+            log.exception("agent turn failed")
+            await self.end_stream()
+            await self.add(Notice(f"internal error: {type(err).__name__}: {err}", "error"))
+        finally:
+            self.status.show(busy="")
+        await self.refresh_metrics()
+
+    async def poll_metrics_while_busy(self) -> None:
+        if self.is_busy:
+            await self.refresh_metrics()
+            self.set_timer(1.0, self.poll_metrics_while_busy)
+
+    async def end_stream(self) -> None:
+        if self.current is not None:
+            await self.current.finish()
+            self.current = None
+        self.stream_start = None
+
+    async def on_agent_event(self, event: Delta | Completion | ToolEvent) -> None:
+        if isinstance(event, Delta):
+            await self.on_delta(event)
+        elif isinstance(event, Completion):
+            await self.end_stream()
+            self.show_usage(event)
+        elif event.output is None:
+            prepared = event.prepared
+            view = ToolCallView(prepared.title, prepared.preview, prepared.kind) if prepared else ToolCallView(event.call.name)
+            self.tool_views[event.call.id] = view
+            await self.add(view)
+        else:
+            view = self.tool_views.get(event.call.id)
+            if view is None:
+                view = self.tool_views[event.call.id] = ToolCallView(event.call.name, kind="read")
+                await self.add(view)
+            view.show_result(event.output, event.ok)
+
+    async def on_delta(self, delta: Delta) -> None:
+        if self.stream_start is None:
+            self.stream_start = (delta.elapsed_s, delta.num_chunks)
+            self.status.show(ttft_s=delta.elapsed_s)
+        if delta.kind == "tool_call":
+            await self.end_stream()
+            self.stream_start = (delta.elapsed_s, delta.num_chunks)
+            return
+        if self.current is None:
+            self.current = AssistantMessage()
+            await self.add(self.current)
+        await self.current.write(delta.kind, delta.text)
+        first_s, first_chunks = self.stream_start
+        if delta.elapsed_s > first_s:  # live rate: fragments (about one token each) per second
+            self.status.show(tokens_per_s=(delta.num_chunks - first_chunks) / (delta.elapsed_s - first_s))
+
+    def show_usage(self, completion: Completion) -> None:
+        usage = completion.usage or {}
+        prompt_tokens = usage.get("prompt_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        changes: dict = {"ttft_s": completion.ttft_s}
+        if completion.decode_tokens_per_s is not None:
+            changes["tokens_per_s"] = completion.decode_tokens_per_s
+        if prompt_tokens:
+            changes["context_used"] = prompt_tokens + (usage.get("completion_tokens") or 0)
+            changes["cache_share"] = (cached or 0) / prompt_tokens
+        self.status.show(**changes)
+
+    async def ask_approval(self, call: PreparedCall) -> Decision:
+        try:
+            return await self.push_screen_wait(ApprovalScreen(call))
+        except asyncio.CancelledError:
+            if isinstance(self.screen, ApprovalScreen):
+                self.screen.dismiss(Decision.DENY)
+            raise
+
+    # --- actions ---
+
+    def action_stop(self) -> None:
+        if self.is_busy:
+            self.workers.cancel_group(self, "turn")
+
+    def action_cycle_mode(self) -> None:
+        self.set_mode(self.approvals.mode.next())
+
+    def set_mode(self, mode: Mode) -> None:
+        self.approvals.mode = mode
+        self.status.show(mode=mode.value)
+        self.notify(f"mode: {mode.value}")
+
+    async def action_new_session(self) -> None:
+        await self.slash.run("/new")
+
+    async def action_sessions(self) -> None:
+        await self.slash.run("/sessions")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def show_sessions(self) -> None:
+        sessions = self.store.list(self.workspace.root)
+
+        async def on_pick(session_id: str | None) -> None:
+            if session_id:
+                self.action_stop()
+                await self.resume(session_id)
+
+        self.push_screen(SessionsScreen(self.store, sessions), on_pick)

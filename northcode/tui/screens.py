@@ -1,0 +1,145 @@
+"""Modal screens: the approval prompt (with the diff or command), the session list, the help page.
+
+Each is dismissed with its answer: ApprovalScreen with a Decision (Esc denies), SessionsScreen
+with the id of the session to resume (or None), HelpScreen with nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.syntax import Syntax
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, DataTable, Markdown, Static
+
+from northcode.agent.approvals import Decision
+from northcode.agent.sessions import SessionInfo, SessionStore
+from northcode.agent.tools import PreparedCall
+
+
+class ApprovalScreen(ModalScreen[Decision]):
+    """Asks whether one tool call may run: y allow once, a allow for this session, n or Esc deny."""
+
+    BINDINGS = [Binding("y", "decide('allow_once')", "allow once"),
+                Binding("a", "decide('allow_session')", "allow for this session"),
+                Binding("n,escape", "decide('deny')", "deny")]
+
+    def __init__(self, call: PreparedCall) -> None:
+        super().__init__()
+        self.call = call
+
+    def compose(self) -> ComposeResult:
+        language = "diff" if self.call.kind == "edit" else "bash"
+        with Vertical(id="approval"):
+            yield Static(f"Allow this {self.call.kind} call?", classes="modal-title")
+            yield Static(self.call.title, markup=False, classes="approval-call")
+            with VerticalScroll(id="approval-preview"):
+                yield Static(Syntax((self.call.preview or self.call.title).rstrip("\n"), language, theme="ansi_dark", word_wrap=True))
+            with Horizontal(classes="buttons"):
+                yield Button("Allow once (y)", id="allow_once", variant="primary")
+                yield Button("Allow for this session (a)", id="allow_session")
+                yield Button("Deny (n, Esc)", id="deny", variant="error")
+
+    def action_decide(self, answer: str) -> None:
+        self.dismiss(Decision[answer.upper()])
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.action_decide(event.button.id or "deny")
+
+
+def _age(timestamp: float) -> str:
+    seconds = max(time.time() - timestamp, 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f} {unit} ago"
+    return "just now"
+
+
+class SessionsScreen(ModalScreen[str | None]):
+    """The saved sessions of this workspace: Enter resumes, d deletes, Esc closes."""
+
+    BINDINGS = [Binding("escape", "dismiss_none", "close"), Binding("d", "delete", "delete")]
+
+    def __init__(self, store: SessionStore, sessions: list[SessionInfo]) -> None:
+        super().__init__()
+        self.store = store
+        self.sessions = sessions
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="sessions"):
+            yield Static("Sessions  (Enter resume · d delete · Esc close)", classes="modal-title")
+            yield DataTable(id="session-table", cursor_type="row", zebra_stripes=True)
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("title", "messages", "updated", "model")
+        for info in self.sessions:
+            table.add_row(info.title, str(info.num_messages), _age(info.updated_at), info.model, key=info.id)
+        table.focus()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.dismiss(event.row_key.value)
+
+    def action_dismiss_none(self) -> None:
+        self.dismiss(None)
+
+    def action_delete(self) -> None:
+        table = self.query_one(DataTable)
+        if not table.row_count:
+            return
+        row_key, _ = table.coordinate_to_cell_key(table.cursor_coordinate)
+        self.store.delete(row_key.value)
+        table.remove_row(row_key)
+        self.notify(f"deleted session {row_key.value}")
+
+
+HELP_TEXT = """\
+# northcode
+
+**Keys**
+
+| key | does |
+| --- | --- |
+| Enter | send the prompt |
+| Ctrl+J | new line in the prompt |
+| Up / Down | previous / next prompt (on the first / last line) |
+| Esc | stop the answer now (the server stops generating); deny an approval |
+| Shift+Tab | next mode: ask → auto-edit → full-auto |
+| Ctrl+N | new session |
+| Ctrl+S | sessions |
+| Ctrl+Q | quit |
+
+**Commands**
+
+| command | does |
+| --- | --- |
+| /new | start a new session |
+| /sessions | list, resume or delete saved sessions |
+| /model [ID] | show the model and endpoint; switch to another served model |
+| /mode [ask\\|auto-edit\\|full-auto] | show or set when tools ask first |
+| /clear | clear the screen (the conversation goes on) |
+| /help | this page |
+| /quit | leave |
+
+**Modes**: *ask* runs reads and asks before edits and commands; *auto-edit* also
+makes edits without asking; *full-auto* runs everything but commands that reach beyond the
+workspace (sudo, `rm -rf /…`, force pushes). Paths never leave the workspace, and `.git` is
+never written, in any mode.
+
+`@path` in a prompt attaches that file. `AGENTS.md` at the workspace root joins the
+system prompt.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,f1", "dismiss_none", "close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help"):
+            yield Markdown(HELP_TEXT)
+
+    def action_dismiss_none(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,191 @@
+"""The chat screen's widgets: the prompt editor, the status line, and one widget per transcript entry.
+
+Assistant answers stream into a Markdown widget through MarkdownStream (it coalesces
+fragments that come faster than it can render); reasoning streams into a folded Collapsible.
+Nothing here talks to the endpoint: the app feeds these widgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.syntax import Syntax
+from textual import events
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Collapsible, Markdown, Static, TextArea
+
+
+class PromptInput(TextArea):
+    """Multi-line prompt: Enter sends, Ctrl+J (or Shift+Enter) adds a line, Up/Down walk the history."""
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            self.text = text
+            super().__init__()
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(soft_wrap=True, compact=True, tab_behavior="indent",
+                         placeholder="Ask, or /help for commands. @path attaches a file.", **kwargs)
+        self.prompt_history: list[str] = []
+        self.history_idx = 0  # == len(history) when editing a new prompt
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            text = self.text.strip()
+            if text:
+                if not self.prompt_history or self.prompt_history[-1] != text:
+                    self.prompt_history.append(text)
+                self.history_idx = len(self.prompt_history)
+                self.clear()
+                self.post_message(self.Submitted(text))
+            return
+        if event.key in ("ctrl+j", "shift+enter"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        if event.key == "escape":  # TextArea would move the focus; the app's binding stops the answer
+            event.prevent_default()
+            return
+        if event.key == "up" and self.cursor_location[0] == 0 and self.history_idx > 0:
+            event.stop()
+            event.prevent_default()
+            self._show_history(self.history_idx - 1)
+            return
+        if event.key == "down" and self.cursor_location[0] == self.document.line_count - 1 \
+                and self.history_idx < len(self.prompt_history):
+            event.stop()
+            event.prevent_default()
+            self._show_history(self.history_idx + 1)
+        # other keys: Textual goes on to TextArea._on_key (handlers run down the MRO)
+
+    def _show_history(self, idx: int) -> None:
+        self.history_idx = idx
+        self.text = self.prompt_history[idx] if idx < len(self.prompt_history) else ""
+        self.move_cursor(self.document.end)
+
+
+@dataclass
+class Stats:
+    """What the status line shows; None where not known yet."""
+
+    model: str = "connecting…"
+    mode: str = "ask"
+    workspace: str = ""
+    tokens_per_s: float | None = None
+    ttft_s: float | None = None
+    context_used: int | None = None  # tokens: prompt + completion of the last request
+    context_window: int | None = None
+    cache_share: float | None = None  # cached_tokens / prompt_tokens of the last request
+    kv_usage: float | None = None  # fraction of the server's KV pages in use
+    busy: str = ""  # "generating…", "loading: …", "" when idle
+
+
+class StatusLine(Static):
+    """One line: model, mode, live tokens/s, TTFT, context used of the window, prefix-cache share, KV use."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__("", **kwargs)
+        self.stats = Stats()
+
+    def show(self, **changes) -> None:
+        for key, value in changes.items():
+            setattr(self.stats, key, value)
+        self.update(self.render_text(), layout=False)
+
+    def render_text(self) -> str:
+        s = self.stats
+        parts = [s.model, f"mode {s.mode}"]
+        parts.append(f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s is not None else "– tok/s")
+        parts.append(f"TTFT {s.ttft_s * 1000:.0f} ms" if s.ttft_s is not None else "TTFT –")
+        if s.context_used is not None and s.context_window:
+            parts.append(f"ctx {s.context_used}/{s.context_window} ({s.context_used / s.context_window:.0%})")
+        elif s.context_used is not None:
+            parts.append(f"ctx {s.context_used}")
+        parts.append(f"cache {s.cache_share:.0%}" if s.cache_share is not None else "cache –")
+        parts.append(f"KV {s.kv_usage:.0%}" if s.kv_usage is not None else "KV –")
+        if s.workspace:
+            parts.append(s.workspace)
+        text = " │ ".join(parts)
+        return f"{s.busy}  {text}" if s.busy else text
+
+
+class UserMessage(Static):
+    def __init__(self, text: str) -> None:
+        super().__init__(text, markup=False, classes="user")
+
+
+class Notice(Static):
+    """An info or error line in the transcript (severity: "info" | "error")."""
+
+    def __init__(self, text: str, severity: str = "info") -> None:
+        super().__init__(text, markup=False, classes=f"notice {severity}")
+
+
+class AssistantMessage(Vertical):
+    """An assistant answer: folded reasoning on top, then the Markdown text, both streamed."""
+
+    def __init__(self, content: str = "", reasoning: str = "") -> None:
+        super().__init__(classes="assistant")
+        self.reasoning_view = Markdown(reasoning, classes="reasoning-text")
+        self.fold = Collapsible(self.reasoning_view, title="Reasoning", collapsed=True)
+        self.fold.display = bool(reasoning)
+        self.body = Markdown(content)
+        self.streams: dict[str, object] = {}
+
+    def compose(self):
+        yield self.fold
+        yield self.body
+
+    async def write(self, kind: str, text: str) -> None:
+        """Append a streamed fragment (kind "content" or "reasoning")."""
+        target = self.body if kind == "content" else self.reasoning_view
+        if kind == "reasoning" and not self.fold.display:
+            self.fold.display = True
+            self.fold.title = "Reasoning…"  # while it streams; plain "Reasoning" once the answer is done
+        stream = self.streams.get(kind)
+        if stream is None:
+            stream = self.streams[kind] = Markdown.get_stream(target)
+        await stream.write(text)
+
+    async def finish(self) -> None:
+        """Stop the streams, then render the text once whole: a streamed code fence can keep a
+        stale highlight otherwise (textual#6518)."""
+        for stream in self.streams.values():
+            await stream.stop()
+        self.fold.title = "Reasoning"
+        if "content" in self.streams:
+            await self.body.update(self.body.source)
+        self.streams.clear()
+
+
+class ToolCallView(Vertical):
+    """A tool call: its one-line title, the approval preview (diff or command), then its result."""
+
+    MAX_OUTPUT_LINES = 12
+
+    def __init__(self, title: str, preview: str = "", kind: str = "read") -> None:
+        super().__init__(classes=f"tool {kind}")
+        self.title_line = Static(f"→ {title}", markup=False, classes="tool-title")
+        self.preview = preview
+        self.kind = kind
+        self.result = Static("", markup=False, classes="tool-result")
+
+    def compose(self):
+        yield self.title_line
+        if self.preview and self.kind == "edit":
+            yield Static(Syntax(self.preview.rstrip("\n"), "diff", theme="ansi_dark", word_wrap=True), classes="tool-preview")
+        yield self.result
+
+    def show_result(self, output: str, ok: bool) -> None:
+        lines = output.rstrip().splitlines()
+        if self.kind == "edit" and ok and lines:
+            lines = lines[:1]  # the diff is already shown above
+        if len(lines) > self.MAX_OUTPUT_LINES:
+            cut = len(lines) - self.MAX_OUTPUT_LINES
+            lines = lines[: self.MAX_OUTPUT_LINES // 2] + [f"… {cut} more lines …"] + lines[-self.MAX_OUTPUT_LINES // 2 :]
+        self.result.update("\n".join(lines))
+        self.set_class(not ok, "failed")

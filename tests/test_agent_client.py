@@ -1,0 +1,204 @@
+"""The streaming client, the /metrics reader, @path mentions, approvals, and finding or starting a server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import pytest
+from agent_scripted_endpoint import ScriptedEndpoint, raw_reply
+
+from northcode.agent.approvals import Approvals, Decision, Mode
+from northcode.agent.client import ChatClient, Completion, EndpointError, split_endpoint
+from northcode.agent.mentions import expand_mentions
+from northcode.agent.metrics import kv_usage
+from northcode.agent.sandbox import Workspace
+from northcode.agent.tools import PreparedCall
+
+
+def sse(*chunks: dict | str) -> str:
+    lines = [c if isinstance(c, str) and c.startswith(":") else f"data: {c if isinstance(c, str) else json.dumps(c)}"
+             for c in chunks]  # ": ..." is an SSE comment line, sent as is
+    return "".join(line + "\n\n" for line in lines)
+
+
+def delta(**fields) -> dict:
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+
+async def collect(endpoint, **params) -> tuple[list, Completion]:
+    client = ChatClient(endpoint.url + "/v1/", model="m")
+    events = [e async for e in client.stream_chat([{"role": "user", "content": "hi"}], **params)]
+    await client.aclose()
+    return events[:-1], events[-1]
+
+
+async def test_parallel_tool_calls_are_assembled_by_index():
+    stream = sse(delta(role="assistant", content=""), ": keep-alive comment",
+                 delta(reasoning="let me look"),
+                 delta(tool_calls=[{"index": 0, "id": "call_a", "type": "function", "function": {"name": "read", "arguments": ""}}]),
+                 delta(tool_calls=[{"index": 1, "id": "call_b", "type": "function", "function": {"name": "grep", "arguments": "{\"pat"}}]),
+                 delta(tool_calls=[{"index": 0, "function": {"arguments": "{\"filePath\": "}}]),
+                 delta(tool_calls=[{"index": 0, "function": {"arguments": "\"x.py\"}"}}]),
+                 delta(tool_calls=[{"index": 1, "function": {"arguments": "tern\": \"a\"}"}}]),
+                 {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+                 {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}}, "[DONE]")
+    with ScriptedEndpoint([raw_reply(stream)]) as endpoint:
+        deltas, completion = await collect(endpoint)
+    assert [(d.kind, d.text) for d in deltas] == [("reasoning", "let me look"), ("tool_call", "read"), ("tool_call", "grep")]
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in completion.tool_calls] == [
+        ("call_a", "read", {"filePath": "x.py"}), ("call_b", "grep", {"pattern": "a"})]
+    assert completion.finish_reason == "tool_calls" and completion.usage["completion_tokens"] == 5
+    assert completion.reasoning == "let me look" and completion.ttft_s is not None
+    message = completion.to_message()
+    assert message["content"] == "" and message["reasoning_content"] == "let me look" and len(message["tool_calls"]) == 2
+    assert endpoint.requests[0]["model"] == "m" and endpoint.requests[0]["stream"] is True
+
+
+async def test_a_call_without_id_gets_one():
+    stream = sse(delta(tool_calls=[{"index": 0, "function": {"name": "list", "arguments": "{}"}}]), "[DONE]")
+    with ScriptedEndpoint([raw_reply(stream)]) as endpoint:
+        _, completion = await collect(endpoint)
+    assert completion.tool_calls[0].id.startswith("call_") and completion.tool_calls[0].name == "list"
+
+
+@pytest.mark.parametrize("reply, message", [
+    (raw_reply(sse(delta(content="a"), {"error": {"message": "engine fell over"}}, "[DONE]")), "engine fell over"),
+    (raw_reply(json.dumps({"error": {"message": "max_tokens: must be >= 1", "param": "max_tokens"}}), 400),
+     "HTTP 400: max_tokens: must be >= 1"),
+    (raw_reply("data: {not json\n\n"), "not JSON"),
+])
+async def test_errors_name_the_problem(reply, message):
+    with ScriptedEndpoint([reply]) as endpoint:
+        with pytest.raises(EndpointError, match=re.escape(message)):
+            await collect(endpoint)
+
+
+async def test_model_comes_from_v1_models_when_not_given():
+    with ScriptedEndpoint([]) as endpoint:
+        client = ChatClient(endpoint.url)
+        assert await client.resolve_model() == "scripted-model"
+        assert kv_usage(await client.metrics_text()) == 0.25
+        await client.aclose()
+
+
+def test_split_endpoint():
+    assert split_endpoint("http://h:1/v1/") == ("http://h:1", "http://h:1/v1")
+    assert split_endpoint("https://h") == ("https://h", "https://h/v1")
+    with pytest.raises(ValueError, match="expected an http"):
+        split_endpoint("h:1")
+
+
+def test_kv_usage_reads_either_shape():
+    northcode = "# HELP x\nnorthcode_kv_pages_used 30.0\nnorthcode_kv_pages_total 120.0\n"
+    vllm = 'vllm:kv_cache_usage_perc{model_name="m"} 0.4\n'
+    assert kv_usage(northcode) == 0.25 and kv_usage(vllm) == 0.4 and kv_usage("other_metric 1\n") is None
+
+
+def test_mentions_attach_workspace_files_only(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("x = 1\n")
+    text, attached = expand_mentions("see @src/a.py and @../etc/passwd, mail me@host.com, @missing.py", Workspace(tmp_path))
+    assert attached == ["src/a.py"] and text.endswith("Contents of src/a.py:\n```\nx = 1\n```")
+    assert text.startswith("see @src/a.py and @../etc/passwd, mail me@host.com, @missing.py\n\n")
+
+
+async def test_approvals_by_mode_and_session():
+    asked = []
+
+    async def ask(call):
+        asked.append(call.title)
+        return Decision.ALLOW_SESSION
+
+    async def noop():
+        return ""
+
+    edit = PreparedCall("edit", "edit", "edit a", "diff", noop)
+    shell = PreparedCall("bash", "shell", "bash: ls", "ls", noop)
+    other_shell = PreparedCall("bash", "shell", "bash: rm -rf x", "rm -rf x", noop)
+    approvals = Approvals(Mode.ASK, ask)
+    assert (await approvals.decide(PreparedCall("read", "read", "read a", "", noop)))[0] and asked == []
+    assert (await approvals.decide(edit))[0] and (await approvals.decide(edit))[0] and asked == ["edit a"]
+    assert (await approvals.decide(shell))[0] and (await approvals.decide(shell))[0]
+    assert (await approvals.decide(other_shell))[0] and asked == ["edit a", "bash: ls", "bash: rm -rf x"]
+    headless = Approvals(Mode.AUTO_EDIT, None)
+    assert (await headless.decide(edit))[0] and not (await headless.decide(shell))[0]
+    assert (await Approvals(Mode.FULL_AUTO, None).decide(shell))[0]
+    assert Mode.ASK.next() is Mode.AUTO_EDIT and Mode.FULL_AUTO.next() is Mode.ASK
+    with pytest.raises(ValueError, match="expected one of ask, auto-edit, full-auto"):
+        Mode.parse("yolo")
+
+
+async def test_connect_starts_a_background_server_and_reports_its_phases(tiny_checkpoint):
+    from northcode_serve_process import free_port
+
+    from northcode.agent import server_process
+
+    phases: list[str] = []
+    address = f"http://127.0.0.1:{free_port()}"
+    root, started = await server_process.connect(None, tiny_checkpoint, phases.append, timeout_s=120, address=address)
+    pid = int(re.search(r"pid (\d+)", phases[0]).group(1))
+    try:
+        assert root == address and started == tiny_checkpoint
+        assert phases[0].startswith(f"started northcode serve on {address}") and phases[-1] == "ready"
+        assert server_process.model_label({"id": "north-mini-code"}, started).endswith("RANDOM WEIGHTS: output is noise)")
+        again: list[str] = []  # a second app finds the running server instead of starting another,
+        assert await server_process.connect(None, None, again.append, address=address) == (root, tiny_checkpoint)
+        assert again == ["ready"]  # and still knows which checkpoint it loads
+        other = tiny_checkpoint.parent / "other-model"
+        _, known = await server_process.connect(None, other, again.append, address=address)
+        assert known == tiny_checkpoint and "not " + str(other) in again[-1]
+    finally:
+        os.killpg(pid, signal.SIGTERM)
+
+
+async def test_connect_to_a_dead_endpoint_fails_clearly():
+    from northcode_serve_process import free_port
+
+    from northcode.agent import server_process
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EndpointError, match=f"--endpoint {url}: no server"):
+        await server_process.connect(url, None, lambda phase: None)
+
+
+@pytest.mark.parametrize("command", ["sudo apt install x", "ls && sudo rm x", "rm -rf /", "rm -rf ~/x", "rm -fr ../up",
+                                     "rm -r -f $HOME", "git push --force origin main", "git push -f",
+                                     "dd if=x of=/dev/sda", "mkfs.ext4 /dev/sdb1"])
+async def test_dangerous_commands_ask_even_in_full_auto(command):
+    from northcode.agent.approvals import is_dangerous
+
+    asked = []
+
+    async def ask(call):
+        asked.append(call)
+        return Decision.ALLOW_SESSION
+
+    async def noop():
+        return ""
+
+    assert is_dangerous(command)
+    approvals = Approvals(Mode.FULL_AUTO, ask)
+    call = PreparedCall("bash", "shell", f"bash: {command}", command, noop)
+    assert (await approvals.decide(call))[0] and (await approvals.decide(call))[0]
+    assert len(asked) == 2  # "for this session" does not stick for these
+    assert not (await Approvals(Mode.FULL_AUTO, None).decide(call))[0]
+
+
+@pytest.mark.parametrize("command", ["rm -rf build", "rm -rf ./dist", "git push", "pytest -q", "sudoku --solve",
+                                     "echo rm -rf", "dd if=a of=b"])
+def test_ordinary_commands_are_not_dangerous(command):
+    from northcode.agent.approvals import is_dangerous
+
+    assert not is_dangerous(command)
+
+
+async def test_a_server_that_is_not_openai_compatible_is_named():
+    with ScriptedEndpoint([]) as endpoint:
+        client = ChatClient(endpoint.url)
+        client.base_url = endpoint.url + "/metrics?path="  # /models then lands on a 200 answer in plain text
+        with pytest.raises(EndpointError, match="not JSON"):
+            await client.list_models()
+        await client.aclose()

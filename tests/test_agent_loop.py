@@ -1,0 +1,183 @@
+"""The agent loop against a real HTTP endpoint that replays scripted tool calls, in a temporary workspace."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from agent_scripted_endpoint import ScriptedEndpoint, text_reply, tool_reply
+
+from northcode.agent.approvals import Approvals, Decision, Mode
+from northcode.agent.client import ChatClient, EndpointError
+from northcode.agent.loop import Agent, ToolEvent
+from northcode.agent.sandbox import Workspace
+from northcode.agent.tools import ToolBox
+
+APP_PY = "def greet(name):\n    return 'hello ' + name\n\nprint(greet('world'))\n"
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    root = tmp_path / "ws"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "app.py").write_text(APP_PY)
+    (root / "README.md").write_text("# demo\nRun src/app.py to greet.\n")
+    return Workspace(root)
+
+
+class RecordingAsker:
+    def __init__(self, *decisions: Decision) -> None:
+        self.decisions = list(decisions)
+        self.asked = []
+
+    async def __call__(self, call):
+        self.asked.append(call)
+        return self.decisions.pop(0)
+
+
+def make_agent(endpoint, workspace, tmp_path, mode=Mode.ASK, asker=None, **kwargs):
+    client = ChatClient(endpoint.url)
+    events = []
+    agent = Agent(client, ToolBox(workspace, tmp_path / "spill"), Approvals(mode, asker),
+                  on_event=events.append, **kwargs)
+    return agent, events
+
+
+def tool_outputs(endpoint, request_idx):
+    return [m["content"] for m in endpoint.requests[request_idx]["messages"] if m["role"] == "tool"]
+
+
+async def test_read_and_grep_results_go_back_as_tool_messages(workspace, tmp_path):
+    replies = [tool_reply(("read", {"filePath": "src/app.py", "offset": 2, "limit": 1}),
+                          ("grep", {"pattern": "greet", "include": "*.md"})),
+               text_reply("The function greet returns a greeting.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, events = make_agent(endpoint, workspace, tmp_path)
+        result = await agent.run_turn("what does greet do?")
+        await agent.client.aclose()
+    assert result.answer == "The function greet returns a greeting." and result.stop_reason == "done"
+    assert result.num_steps == 2
+    second = endpoint.requests[1]["messages"]
+    assert [m["role"] for m in second] == ["system", "user", "assistant", "tool", "tool"]
+    assert second[2]["content"] == "" and [c["function"]["name"] for c in second[2]["tool_calls"]] == ["read", "grep"]
+    assert [m["tool_call_id"] for m in second[3:]] == [c["id"] for c in second[2]["tool_calls"]]
+    read_out, grep_out = tool_outputs(endpoint, 1)
+    assert read_out.startswith("     2\t    return 'hello ' + name") and "lines 2-2 of 4" in read_out
+    assert grep_out == "README.md:2: Run src/app.py to greet."
+    assert endpoint.requests[0]["tools"][0]["function"]["name"] == "read"
+    assert endpoint.requests[0]["stream_options"] == {"include_usage": True}
+    assert [e.ok for e in events if isinstance(e, ToolEvent) and e.output is not None] == [True, True]
+
+
+async def test_approved_edit_changes_exactly_the_string(workspace, tmp_path):
+    edit = ("edit", {"filePath": "src/app.py", "oldString": "'hello ' + name", "newString": "f'hello {name}!'"})
+    asker = RecordingAsker(Decision.ALLOW_ONCE)
+    with ScriptedEndpoint([tool_reply(edit), text_reply("Done.")]) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, asker=asker)
+        await agent.run_turn("use an f-string")
+    assert (workspace.root / "src" / "app.py").read_text() == APP_PY.replace("'hello ' + name", "f'hello {name}!'")
+    (asked,) = asker.asked
+    assert asked.kind == "edit" and "-    return 'hello ' + name\n+    return f'hello {name}!'\n" in asked.preview
+    assert tool_outputs(endpoint, 1)[0].startswith("updated src/app.py")
+
+
+async def test_denied_calls_change_nothing(workspace, tmp_path):
+    replies = [tool_reply(("edit", {"filePath": "src/app.py", "oldString": "hello", "newString": "bye"}),
+                          ("write", {"filePath": "new.txt", "content": "x"}),
+                          ("bash", {"command": "touch made_by_shell"})),
+               text_reply("OK, I left it.")]
+    asker = RecordingAsker(Decision.DENY, Decision.DENY, Decision.DENY)
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, asker=asker)
+        result = await agent.run_turn("change things")
+    assert (workspace.root / "src" / "app.py").read_text() == APP_PY
+    assert sorted(p.name for p in workspace.root.iterdir()) == ["README.md", "src"]
+    assert all("denied by the user" in out for out in tool_outputs(endpoint, 1))
+    assert len(asker.asked) == 3 and result.answer == "OK, I left it."
+
+
+async def test_shell_runs_in_the_workspace_and_session_approval_sticks(workspace, tmp_path):
+    command = ("bash", {"command": "ls src && echo done > out.txt"})
+    asker = RecordingAsker(Decision.ALLOW_SESSION)
+    replies = [tool_reply(command), tool_reply(command), text_reply("Listed.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, asker=asker)
+        await agent.run_turn("list src")
+    assert len(asker.asked) == 1  # the second identical command was allowed for the session
+    assert tool_outputs(endpoint, 1)[0].startswith("app.py\n[exit code 0")
+    assert (workspace.root / "out.txt").read_text() == "done\n"
+
+
+async def test_modes_decide_without_asking(workspace, tmp_path):
+    replies = [tool_reply(("write", {"filePath": "notes/todo.md", "content": "- ship\n"}),
+                          ("bash", {"command": "touch should_not_exist"})),
+               text_reply("Wrote it.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, mode=Mode.AUTO_EDIT, asker=None)
+        await agent.run_turn("write a todo")
+    assert (workspace.root / "notes" / "todo.md").read_text() == "- ship\n"
+    assert not (workspace.root / "should_not_exist").exists()
+    assert "headless" in tool_outputs(endpoint, 1)[1]
+
+
+async def test_prompt_is_append_only_across_turns_and_agents_md_joins_system(workspace, tmp_path):
+    (workspace.root / "AGENTS.md").write_text("Always answer in French.\n")
+    replies = [tool_reply(("list", {})), text_reply("Voilà."), text_reply("Encore.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path)
+        await agent.run_turn("first")
+        await agent.run_turn("second")
+    first, second, third = (r["messages"] for r in endpoint.requests)
+    assert "Always answer in French." in first[0]["content"]
+    assert second[: len(first)] == first and third[: len(second)] == second
+    assert third[len(second)] == {"role": "assistant", "content": "Voilà."}
+    assert third[-1] == {"role": "user", "content": "second"}
+
+
+async def test_step_limit_stops_the_loop(workspace, tmp_path):
+    replies = [tool_reply(("list", {})) for _ in range(3)]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, max_steps=2)
+        result = await agent.run_turn("loop forever")
+    assert result.stop_reason == "step_limit" and result.num_steps == 2 and len(endpoint.requests) == 2
+    assert agent.messages[-1]["role"] == "tool"  # the history stays valid for the next turn
+
+
+async def test_bad_tool_calls_become_error_results(workspace, tmp_path):
+    replies = [tool_reply(("read", "{not json"), ("frobnicate", {}), ("read", {"filePath": "../../etc/passwd"}),
+                          ("edit", {"filePath": "src/app.py", "oldString": "nope", "newString": "x"})),
+               text_reply("Sorry.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, mode=Mode.FULL_AUTO)
+        await agent.run_turn("break things")
+    outputs = tool_outputs(endpoint, 1)
+    assert "not valid JSON" in outputs[0] and "unknown tool 'frobnicate'" in outputs[1]
+    assert "outside the workspace" in outputs[2] and "oldString not found" in outputs[3]
+    assert (workspace.root / "src" / "app.py").read_text() == APP_PY
+
+
+async def test_cancel_closes_the_stream_and_keeps_history_valid(workspace, tmp_path):
+    with ScriptedEndpoint([text_reply("word " * 400, delay_s=0.01)]) as endpoint:
+        agent, events = make_agent(endpoint, workspace, tmp_path)
+        task = asyncio.create_task(agent.run_turn("talk"))
+        while len(events) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if endpoint.disconnects:
+                break
+            await asyncio.sleep(0.02)
+    assert endpoint.disconnects == 1 and endpoint.finished == 0
+    assert agent.messages[-1]["role"] == "assistant" and agent.messages[-1]["content"].startswith("word word")
+
+
+async def test_endpoint_errors_are_clear(workspace, tmp_path):
+    with ScriptedEndpoint([]) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path)
+        with pytest.raises(EndpointError, match="the script has no more replies"):
+            await agent.run_turn("hi")
+    agent, _ = make_agent(endpoint, workspace, tmp_path)  # the server is gone now
+    with pytest.raises(EndpointError, match="cannot reach"):
+        await agent.run_turn("hi")

@@ -1,0 +1,250 @@
+"""The terminal app driven by Textual's Pilot against the scripted OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from agent_scripted_endpoint import ScriptedEndpoint, prompt_tokens, text_reply, tool_reply
+
+from northcode.agent.approvals import Mode
+from northcode.agent.sessions import SessionStore
+from northcode.tui.app import NorthcodeApp
+from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
+from northcode.tui.widgets import AssistantMessage, Notice, PromptInput, StatusLine, ToolCallView, UserMessage
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "app.py").write_text("x = 1\n")
+    return root
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    yield store
+    store.close()
+
+
+async def until(pilot, condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the app"
+        await pilot.pause(0.02)
+
+
+async def send(app, pilot, text: str) -> None:
+    app.query_one(PromptInput).text = text
+    await pilot.press("enter")
+
+
+def notices(app) -> list[str]:
+    return [str(n.render()) for n in app.query(Notice)]
+
+
+async def test_prompt_streams_text_and_updates_the_status_line(workspace, store):
+    reply = text_reply("Here is **bold** and code:\n\n```python\nprint(1)\n```", reasoning="thinking hard",
+                       cached_tokens=40)
+    with ScriptedEndpoint([reply]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            status = app.query_one(StatusLine)
+            assert "scripted-model" in status.render_text() and "KV 25%" in status.render_text()
+            await send(app, pilot, "hello there")
+            await until(pilot, lambda: not app.is_busy and app.query(AssistantMessage))
+            await pilot.pause(0.1)
+            message = app.query_one(AssistantMessage)
+            assert "print(1)" in message.body.source and message.fold.collapsed
+            assert message.reasoning_view.source == "thinking hard"
+            assert [str(u.render()) for u in app.query(UserMessage)] == ["hello there"]
+            stats = status.stats
+            assert stats.ttft_s is not None and stats.tokens_per_s is not None and stats.context_used > 0
+            assert stats.cache_share == pytest.approx(40 / prompt_tokens(endpoint.requests[0]["messages"]))
+            assert "cache 40%" in status.render_text()
+            assert stats.context_window == 4096 and "ctx " in status.render_text() and "tok/s" in status.render_text()
+            assert app.query_one(PromptInput).prompt_history == ["hello there"]
+    body = endpoint.requests[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+
+
+async def test_escape_cancels_the_request_on_the_server(workspace, store):
+    with ScriptedEndpoint([text_reply("slow " * 500, delay_s=0.02), text_reply("after")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test() as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "talk a lot")
+            await until(pilot, lambda: app.query(AssistantMessage) and "slow slow" in app.query_one(AssistantMessage).body.source)
+            await pilot.press("escape")
+            await until(pilot, lambda: not app.is_busy and endpoint.disconnects == 1)
+            assert "interrupted" in notices(app) and endpoint.finished == 0
+            await send(app, pilot, "again")  # the next turn works and continues the same conversation
+            await until(pilot, lambda: endpoint.finished == 1 and not app.is_busy)
+    messages = endpoint.requests[1]["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[2]["content"].startswith("slow slow")
+
+
+@pytest.mark.parametrize("key, changed", [("y", True), ("n", False), ("escape", False)])
+async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, key, changed):
+    edit = ("edit", {"filePath": "app.py", "oldString": "x = 1", "newString": "x = 2"})
+    with ScriptedEndpoint([tool_reply(edit), text_reply("ok")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "bump x")
+            await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+            assert "+x = 2" in app.screen.call.preview
+            await pilot.press(key)
+            await until(pilot, lambda: not app.is_busy and endpoint.finished == 2)
+            assert app.query(ToolCallView)
+    assert (workspace / "app.py").read_text() == ("x = 2\n" if changed else "x = 1\n")
+    tool_message = endpoint.requests[1]["messages"][-1]
+    assert tool_message["role"] == "tool" and ("updated app.py" in tool_message["content"]) == changed
+
+
+async def test_slash_commands_and_mentions(workspace, store):
+    with ScriptedEndpoint([text_reply("hello"), text_reply("seen it")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await pilot.press("h", "i", "ctrl+j", "y", "o")
+            assert app.query_one(PromptInput).text == "hi\nyo"
+            await pilot.press("enter")
+            await until(pilot, lambda: endpoint.finished == 1 and not app.is_busy)
+            assert app.query_one(PromptInput).text == ""
+            await pilot.press("up")
+            assert app.query_one(PromptInput).text == "hi\nyo"
+            await send(app, pilot, "/mode full-auto")
+            assert app.approvals.mode is Mode.FULL_AUTO and "mode full-auto" in app.query_one(StatusLine).render_text()
+            await pilot.press("shift+tab")
+            assert app.approvals.mode is Mode.ASK
+            await send(app, pilot, "/mode bogus")
+            await send(app, pilot, "/frob")
+            await pilot.pause(0.1)
+            assert any("mode 'bogus'" in n for n in notices(app)) and any("unknown command /frob" in n for n in notices(app))
+            await send(app, pilot, "/help")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+            await pilot.press("escape")
+            await send(app, pilot, "/model")
+            await pilot.pause(0.1)
+            assert any("scripted-model" in n and app.client.base_url in n for n in notices(app))
+            await send(app, pilot, "look at @app.py please")
+            await until(pilot, lambda: endpoint.finished == 2 and not app.is_busy)
+            await send(app, pilot, "/clear")
+            await pilot.pause(0.1)
+            assert not app.query(UserMessage)
+    assert endpoint.requests[0]["messages"][-1]["content"] == "hi\nyo"
+    user_text = endpoint.requests[1]["messages"][-1]["content"]
+    assert user_text.startswith("look at @app.py please") and "Contents of app.py:\n```\nx = 1\n```" in user_text
+
+
+async def test_sessions_are_saved_listed_resumed_and_deleted(workspace, store):
+    with ScriptedEndpoint([text_reply("first answer"), text_reply("second answer")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            assert store.list() == []  # nothing saved before the first prompt
+            await send(app, pilot, "remember this")
+            await until(pilot, lambda: endpoint.finished == 1 and not app.is_busy)
+            first_id = app.session_id
+            assert [m["role"] for m in store.messages(first_id)] == ["system", "user", "assistant"]
+            await send(app, pilot, "/new")
+            await pilot.pause(0.1)
+            assert app.session_id is None and not app.query(UserMessage)
+            await send(app, pilot, "/sessions")
+            await until(pilot, lambda: isinstance(app.screen, SessionsScreen))
+            await pilot.press("enter")
+            await until(pilot, lambda: app.session_id == first_id and app.query(UserMessage))
+            assert "first answer" in app.query_one(AssistantMessage).body.source
+            await send(app, pilot, "and more")
+            await until(pilot, lambda: endpoint.finished == 2 and not app.is_busy)
+            await send(app, pilot, "/sessions")
+            await until(pilot, lambda: isinstance(app.screen, SessionsScreen))
+            await pilot.press("d")
+            await pilot.pause(0.1)
+            assert store.list() == []
+    resumed = endpoint.requests[1]["messages"]
+    assert [m["role"] for m in resumed] == ["system", "user", "assistant", "user"]
+    assert resumed[:3] == endpoint.requests[0]["messages"] + [{"role": "assistant", "content": "first answer"}]
+
+
+async def test_unreachable_endpoint_is_a_notice_not_a_crash(workspace, store):
+    with ScriptedEndpoint([]) as endpoint:
+        url = endpoint.url
+    app = NorthcodeApp(workspace, endpoint=url, store=store)
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: app.query(Notice) and "Cannot connect" in notices(app)[0])
+        assert app.query_one(Notice).has_class("error") and "offline" in app.query_one(StatusLine).render_text()
+        await send(app, pilot, "hello")
+        await pilot.pause(0.1)
+        assert app.is_running
+
+
+async def test_endpoint_error_mid_session_restores_the_prompt(workspace, store):
+    with ScriptedEndpoint([]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test() as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "will fail")
+            await until(pilot, lambda: any("no more replies" in n for n in notices(app)))
+            await until(pilot, lambda: not app.is_busy)
+            assert app.query_one(PromptInput).text == "will fail"
+    await asyncio.sleep(0)
+
+
+async def test_loading_progress_is_shown_until_the_server_is_ready(workspace, store):
+    with ScriptedEndpoint([], loading_polls=6) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test() as pilot:
+            await until(pilot, lambda: app.query(Notice) and notices(app)[0] == "model server: loading weights")
+            assert app.agent is None and "loading…" in app.query_one(StatusLine).render_text()
+            await until(pilot, lambda: app.agent is not None)
+            assert notices(app)[0].startswith("scripted-model · workspace project")
+            assert "loading" not in app.query_one(StatusLine).render_text()
+
+
+async def test_escape_kills_a_running_shell_command_with_its_children(workspace, store):
+    from test_sandbox import _alive
+
+    command = ("bash", {"command": "sleep 60 & echo $! > child.pid; wait"})
+    with ScriptedEndpoint([tool_reply(command)]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store, mode=Mode.FULL_AUTO)
+        async with app.run_test() as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "sleep")
+            pid_file = workspace / "child.pid"
+            await until(pilot, lambda: pid_file.exists() and pid_file.read_text().strip())
+            child_pid = int(pid_file.read_text())
+            assert _alive(child_pid)
+            await pilot.press("escape")
+            await until(pilot, lambda: not app.is_busy and "interrupted" in notices(app))
+            await until(pilot, lambda: not _alive(child_pid), timeout_s=3)
+    assert app.agent.messages[-1] == {"role": "tool", "tool_call_id": app.agent.messages[-2]["tool_calls"][0]["id"],
+                                      "content": "cancelled by the user"}
+
+
+def test_tui_command_rejects_bad_input_before_opening(tmp_path, capsys):
+    from northcode.cli import main
+
+    assert main(["--resume", "no-such-id", str(tmp_path)]) == 2
+    assert "session 'no-such-id': no such session" in capsys.readouterr().err
+    assert main(["-c", str(tmp_path)]) == 2
+    assert "--continue: no saved session" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["--endpoint", "ftp://x", str(tmp_path)]) == 2
+
+
+async def test_random_weights_are_said_plainly(workspace, store, tiny_checkpoint):
+    with ScriptedEndpoint([]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, model=tiny_checkpoint, store=store)
+        async with app.run_test(size=(140, 30)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            assert "RANDOM WEIGHTS: output is noise" in notices(app)[0]
+            assert app.query_one(StatusLine).render_text().startswith(f"{tiny_checkpoint.name} (RANDOM WEIGHTS) │")

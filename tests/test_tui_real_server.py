@@ -1,0 +1,70 @@
+"""The terminal app against a real `northcode serve` on the tiny checkpoint (random weights: noise)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from northcode_serve_process import metric, northcode_serve
+from test_tui import notices, send, until
+
+from northcode.agent.sessions import SessionStore
+from northcode.tui.app import NorthcodeApp
+from northcode.tui.widgets import AssistantMessage, StatusLine
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_checkpoint):
+    with northcode_serve(tiny_checkpoint) as url:
+        yield url
+
+
+@pytest.fixture
+def app_factory(tmp_path):
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    workspace = tmp_path / "project"
+    workspace.mkdir()
+
+    def make(url: str, max_tokens: int) -> NorthcodeApp:
+        return NorthcodeApp(workspace, endpoint=url + "/v1", store=store, request_params={"max_tokens": max_tokens})
+
+    yield make
+    store.close()
+
+
+async def test_prompt_streams_and_the_status_line_fills_in(server_url, app_factory, tiny_checkpoint):
+    app = app_factory(server_url, 40)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await until(pilot, lambda: app.agent is not None, timeout_s=30)
+        await send(app, pilot, "write a haiku")
+        await until(pilot, lambda: app.query(AssistantMessage), timeout_s=30)
+        await until(pilot, lambda: not app.is_busy, timeout_s=60)
+        message = app.query_one(AssistantMessage)
+        assert message.body.source or message.reasoning_view.source  # noise, but streamed noise
+        stats = app.query_one(StatusLine).stats
+        assert stats.model == "north-mini-code" and stats.context_window > 0
+        assert stats.ttft_s > 0 and stats.tokens_per_s > 0 and 0 < stats.context_used <= stats.context_window
+        assert stats.cache_share is not None and stats.kv_usage is not None
+        text = app.query_one(StatusLine).render_text()
+        assert "tok/s" in text and "TTFT" in text and f"/{stats.context_window} (" in text and "KV " in text
+        first_prompt = stats.context_used
+        await send(app, pilot, "again")  # the second turn repeats the first as a prefix: the cache serves it
+        await until(pilot, lambda: not app.is_busy and len(app.query(AssistantMessage)) == 2, timeout_s=60)
+        assert stats.context_used > first_prompt and stats.cache_share > 0
+
+
+async def test_escape_stops_the_generation_on_the_server(server_url, app_factory):
+    app = app_factory(server_url, 3000)  # about half a minute of noise on a CPU
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: app.agent is not None, timeout_s=30)
+        await send(app, pilot, "write a long essay")
+        await until(pilot, lambda: app.query(AssistantMessage), timeout_s=30)
+        assert metric(server_url, "northcode_requests_running") == 1
+        start = time.monotonic()
+        await pilot.press("escape")
+        await until(pilot, lambda: not app.is_busy and "interrupted" in notices(app))
+        await until(pilot, lambda: metric(server_url, "northcode_requests_running") == 0, timeout_s=5)
+        assert time.monotonic() - start < 5  # freed long before 3000 tokens could finish
+        tokens_after_cancel = metric(server_url, "northcode_generation_tokens_total")
+        await pilot.pause(1.0)
+        assert metric(server_url, "northcode_generation_tokens_total") == tokens_after_cancel  # nothing more is generated
