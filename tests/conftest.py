@@ -8,6 +8,9 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Tiny models run fastest on one thread, and CI has two cores shared with the servers that
+    # tests start as subprocesses (they inherit this): oversubscription made decode 5-10x slower.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Before any test imports northcode: keep the demo checkpoint and sessions out of the user's home.
     if "NORTHCODE_HOME" not in os.environ:
         import tempfile
