@@ -1,0 +1,1 @@
+"""Benchmarks (`northcode bench ...`): decode throughput of the megakernel and the PyTorch path."""

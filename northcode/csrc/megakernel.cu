@@ -1,0 +1,1156 @@
+// ====  0. Header  ==============================================================================
+//   The northcode decode megakernel: one persistent launch runs a whole decode step of a
+//   cohere2_moe model (North Mini Code) for a batch of 1..NC_MAX_BATCH rows, each row a
+//   (sequence, position) pair. One block of 256 threads per SM walks its own host-built task
+//   list (northcode/engine/megakernel.py builds it in dependency waves); every cross-SM
+//   dependency is a uint32 counter in global memory with a target baked into the waiting task.
+//   Counters are zeroed by one memset before each launch. Producers: __syncthreads, then thread
+//   0 fences and adds; consumers: thread 0 spins (acquire) and the block syncs. A task only waits
+//   on tasks of strictly earlier waves, so the lists cannot deadlock.
+//   Matrix products: mma.sync m16n8k16 (bf16 in, fp32 accumulate), the weight is the 16-row A
+//   operand, the batch rows are the 8 columns of B. Routed experts come from device-side queues.
+//   Geometry is compile-time (-DNC_HIDDEN=... from megakernel.py); target sm_90a; no PyTorch
+//   headers. ABI: nc_* functions below; one Params struct by pointer; NC_ABI_VERSION.
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define NC_ABI_VERSION 2
+
+#if !defined(NC_HIDDEN) || !defined(NC_LAYERS) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
+    !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
+    !defined(NC_EXPERT_WIDTH) || !defined(NC_DENSE_WIDTH)
+#error "geometry: build through northcode/engine/megakernel.py, which passes -DNC_HIDDEN=... etc."
+#endif
+#ifndef NC_MAX_BATCH
+#define NC_MAX_BATCH 8
+#endif
+#ifndef NC_RMS_NORM
+#define NC_RMS_NORM 1  // 0: mean-centred LayerNorm without bias
+#endif
+#ifndef NC_SELECT_SIGMOID
+#define NC_SELECT_SIGMOID 1  // 0: softmax over the selected logits
+#endif
+#ifndef NC_NORM_TOPK
+#define NC_NORM_TOPK 0
+#endif
+#ifndef NC_MAX_SPLITS
+#define NC_MAX_SPLITS 32
+#endif
+
+// ====  1. Constants and TaskType  ==============================================================
+typedef __nv_bfloat16 bf16;
+
+constexpr int kHidden = NC_HIDDEN;            // H
+constexpr int kLayers = NC_LAYERS;
+constexpr int kHeads = NC_HEADS;              // query heads
+constexpr int kKvHeads = NC_KV_HEADS;
+constexpr int kHeadDim = NC_HEAD_DIM;         // D
+constexpr int kVocab = NC_VOCAB;
+constexpr int kExperts = NC_EXPERTS;          // E
+constexpr int kTopK = NC_TOPK;
+constexpr int kExpertWidth = NC_EXPERT_WIDTH;  // I (per routed expert)
+constexpr int kDenseWidth = NC_DENSE_WIDTH;    // dense-layer MLP width
+constexpr int kMaxBatch = NC_MAX_BATCH;
+constexpr int kMaxSplits = NC_MAX_SPLITS;
+constexpr int kGroup = kHeads / kKvHeads;      // query heads per KV head
+constexpr int kQSize = kHeads * kHeadDim;
+constexpr int kKvSize = kKvHeads * kHeadDim;
+constexpr int kPage = 64;                      // tokens per KV block (docs/architecture.md)
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kSmemBytes = 96 * 1024;
+
+static_assert(kMaxBatch == 8, "the batch is the n8 operand of mma.m16n8k16");
+static_assert(kHidden % 32 == 0 && kQSize % 32 == 0 && kExpertWidth % 32 == 0 && kDenseWidth % 32 == 0,
+              "every reduction dimension must be a multiple of 32 (one mma k-chunk pair)");
+static_assert(kHeadDim % 16 == 0 && kHeadDim % 8 == 0, "head_dim must be a multiple of 16");
+static_assert(kExpertWidth % 32 == 0 && kDenseWidth % 16 == 0 && kHidden % 64 == 0, "MoE claims: 32 channels, 64 rows");
+static_assert(kHeads % kKvHeads == 0, "GQA group");
+static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
+
+// Mirrors northcode/engine/megakernel.py TaskType.
+enum TaskType : int {
+  TASK_STOP = 0,
+  TASK_NORM = 1,        // arg0 row: (embed on layer 0) residual round, norm -> h
+  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
+  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
+  TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
+  TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
+  TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
+  TASK_MOE_UP = 8,      // drain: arg0 claim counter, arg1 first "slot done" counter
+  TASK_MOE_DOWN = 9,    // drain: arg0 claim counter, arg1 first "slot done" counter
+  TASK_DENSE_UP = 10,   // arg0 first tile, arg1 tiles: silu(gate) * up
+  TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
+  TASK_LM_HEAD = 12,    // arg0 first 32-row tile, arg1 tiles, arg2 task index: logits + partial argmaxes
+  TASK_SAMPLE = 13,     // arg0 row, arg1 LM-head task count: next token
+  NUM_TASK_TYPES = 14,
+};
+
+// Params.flags bits.
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2 };
+
+// Status codes written to Params.status[0] (megakernel.py turns them into messages).
+enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
+
+// ====  2. ABI structs  =========================================================================
+struct Task {  // 16 int32, built by megakernel.py
+  int type, layer;
+  int arg[6];
+  int wait[2];    // counter indices, -1: none
+  int target[2];  // wait until counter >= target
+  int signal;     // counter to add 1 to when done, -1: none
+  int pad[3];
+};
+static_assert(sizeof(Task) == 64, "Task is 16 int32");
+
+struct RowState {  // one batch row, uploaded by the host each step
+  int position;        // position of this row's token (= tokens already cached for its sequence)
+  int seq;             // block-table row of its sequence
+  int step;            // draw counter of the request (seeds the noise)
+  int top_k;           // 0: off
+  unsigned long long seed;
+  float temperature;   // <= 0: greedy
+  float top_p;         // 1: off
+  float min_p;         // 0: off
+  float pad;
+};
+static_assert(sizeof(RowState) == 40, "RowState layout");
+
+enum LayerPtr { LP_NORM = 0, LP_Q, LP_K, LP_V, LP_O, LP_ROUTER, LP_EXPERT_GATE_UP, LP_EXPERT_DOWN,
+                LP_GATE, LP_UP, LP_DOWN, NUM_LAYER_PTRS };
+
+struct Params {
+  // weights (bf16, canonical layouts of docs/architecture.md)
+  const unsigned long long* layer_ptrs;  // [layers][NUM_LAYER_PTRS] device addresses, 0 where unused
+  const bf16* embed;                     // [V, H]
+  const bf16* final_norm;                // [H]
+  const bf16* lm_head;                   // [V, H]
+  const float* inv_freq;                 // [D/2] RoPE inverse frequencies (fp32, as the reference)
+  // paged KV cache
+  bf16* k_pool;                          // [num_pages, 64, KVH, D]
+  bf16* v_pool;
+  const int* block_tables;               // [layers, max_seqs, max_pages_per_seq], -1 unmapped
+  long long num_pages;
+  int max_seqs;
+  int max_pages_per_seq;
+  // the task lists
+  const Task* tasks;                     // all SMs' lists, back to back
+  const int* task_start;                 // [num_blocks + 1] offsets into tasks
+  int num_blocks;                        // grid size (<= SMs: all resident)
+  int batch_size;                        // rows in use (<= NC_MAX_BATCH)
+  unsigned int* counters;                // [num_counters], zeroed before each launch
+  int num_counters;
+  int flags;                             // NC_FLAG_* (runtime variants the benchmark compares)
+  const RowState* rows;                  // [NC_MAX_BATCH]
+  int* tokens;                           // [NC_MAX_BATCH] in: this step's tokens; out: sampled tokens
+  int* status;                           // [4] code, detail, detail, 0
+  // scratch (device buffers owned by megakernel.py)
+  float* x;                              // [8, H] residual stream (fp32, rounded to bf16 per layer)
+  bf16* h;                               // [8, H] normed input of the current layer
+  bf16* q;                               // [8, Hq*D] queries after RoPE
+  float* attn_partial;                   // [8, KVH, MAX_SPLITS, G*D] unnormalised outputs
+  float* attn_ml;                        // [8, KVH, MAX_SPLITS, G, 2] running max, sum
+  bf16* attn_out;                        // [8, Hq*D]
+  float* router_logits;                  // [8, E]
+  int* moe_slots;                        // [1 + E]: number of distinct experts, then expert of each slot
+  float* slot_weight;                    // [E, 8] routing weight of (slot, row), 0 if not routed
+  bf16* moe_act;                         // [E, 8, I] silu(gate) * up per slot
+  bf16* dense_act;                       // [8, I_dense]
+  float* logits;                         // [8, V] fp32 after logit_scale
+  float* lm_partial;                     // [lm tasks, 8, 4]: greedy max, idx, gumbel max, idx
+  int* expert_counts;                    // [layers] distinct experts routed this step (for byte counts)
+  int* routed;                           // [layers, 8, top_k] experts each row chose (tests check them)
+  long long* profile;                    // null, or [num_tasks, 3] ns: task start, dependencies met, done
+  float norm_eps;
+  float logit_scale;
+  long long timeout_ns;                  // a wait longer than this aborts the step (status TIMEOUT)
+};
+
+// ====  3. Device helpers  ======================================================================
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ uint4 load_weight16(const void* ptr) {  // immutable: skip L1
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
+  return r;
+}
+__device__ __forceinline__ uint4 load_act16(const void* ptr) {  // written in this launch: L2 only
+  return __ldcg(reinterpret_cast<const uint4*>(ptr));
+}
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(ptr));
+}
+
+__device__ __forceinline__ long long global_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ void report(const Params& p, int code, int a, int b) {
+  if (atomicCAS(p.status, 0, code) == 0) {
+    p.status[1] = a;
+    p.status[2] = b;
+  }
+}
+
+// Thread 0 spins until counters[idx] >= target (or the step aborted); the block then syncs.
+__device__ void wait_counter(const Params& p, int idx, int target) {
+  if (threadIdx.x == 0 && idx >= 0) {
+    const long long start = global_ns();
+    while (load_acquire(p.counters + idx) < (unsigned)target) {
+      if (*(volatile int*)p.status != 0) break;
+      if (global_ns() - start > p.timeout_ns) { report(p, NC_ERR_TIMEOUT, idx, target); break; }
+      __nanosleep(64);
+    }
+  }
+  __syncthreads();
+}
+
+// After the block's outputs are written: make them visible GPU-wide, then count one.
+__device__ void signal_counter(const Params& p, int idx) {
+  __syncthreads();
+  if (threadIdx.x == 0 && idx >= 0) {
+    __threadfence();
+    atomicAdd(p.counters + idx, 1u);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Block-wide sum; `scratch` holds kWarps floats. All threads get the result.
+__device__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  return total;
+}
+__device__ float block_max(float v, float* scratch) {
+  v = warp_max(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float m = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, scratch[w]);
+  return m;
+}
+
+// (value, index) argmax; ties go to the lower index, as torch.argmax.
+struct ArgMax { float value; int index; };
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+  if (b.value > a.value || (b.value == a.value && b.index < a.index)) return b;
+  return a;
+}
+__device__ ArgMax warp_argmax(ArgMax a) {
+  for (int o = 16; o; o >>= 1) {
+    ArgMax other{__shfl_xor_sync(0xffffffffu, a.value, o), __shfl_xor_sync(0xffffffffu, a.index, o)};
+    a = better(a, other);
+  }
+  return a;
+}
+__device__ ArgMax block_argmax(ArgMax a, ArgMax* scratch) {
+  a = warp_argmax(a);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = a;
+  __syncthreads();
+  ArgMax best = scratch[0];
+  for (int w = 1; w < kWarps; ++w) best = better(best, scratch[w]);
+  return best;
+}
+
+// Counter-based noise: uniform in (0, 1) from (seed, draw counter, token id).
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ float gumbel_noise(unsigned long long seed, int step, int token) {
+  unsigned long long r = mix64(seed ^ mix64(((unsigned long long)(unsigned)step << 32) | (unsigned)token));
+  float u = ((float)(r >> 40) + 0.5f) * (1.0f / 16777216.0f);  // 24 bits, never 0 or 1
+  return -logf(-logf(u));
+}
+
+// ---- the tensor-core product: out[n][r][b] = sum_k W_n[r][k] * act[b][k] for NT 16-row tiles ----
+// Each warp takes every 8th 32-wide k-chunk; a lane loads 16 contiguous bytes of weight rows g and
+// g+8 and of activation row g (g = lane/4) and uses them for two mma k16 steps. The k order inside a
+// chunk is permuted identically for A and B, which a dot product does not notice. Partial sums of
+// the 8 warps are reduced through shared memory into out (fp32 [NT][16][8]).
+template <int NT>
+__device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
+                          const bf16* act, int act_stride, int batch, float* red, float* out) {
+  constexpr int U = 4;  // k-chunks in flight per lane (more spills registers at 255)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int nchunk = K / 32;
+  const bf16* w_lo[NT];
+  const bf16* w_hi[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int r_lo = min(g, valid_rows[n] - 1), r_hi = min(g + 8, valid_rows[n] - 1);
+    w_lo[n] = w_tile[n] + (size_t)r_lo * K + 8 * t;
+    w_hi[n] = w_tile[n] + (size_t)r_hi * K + 8 * t;
+  }
+  const bool has_row = g < batch;
+  const bf16* a_row = act + (size_t)g * act_stride + 8 * t;
+  float acc[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+  for (int c0 = warp; c0 < nchunk; c0 += kWarps * U) {
+    uint4 wa[NT][U], wb[NT][U], xa[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + kWarps * u;
+      if (c < nchunk) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          wa[n][u] = load_weight16(w_lo[n] + c * 32);
+          wb[n][u] = load_weight16(w_hi[n] + c * 32);
+        }
+        xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c0 + kWarps * u < nchunk) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+              "{%0,%1,%2,%3};"
+              : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
+              : "r"(wa[n][u].x), "r"(wb[n][u].x), "r"(wa[n][u].y), "r"(wb[n][u].y), "r"(xa[u].x), "r"(xa[u].y));
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+              "{%0,%1,%2,%3};"
+              : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
+              : "r"(wa[n][u].z), "r"(wb[n][u].z), "r"(wa[n][u].w), "r"(wb[n][u].w), "r"(xa[u].z), "r"(xa[u].w));
+        }
+      }
+    }
+  }
+  __syncthreads();  // the previous tile's epilogue has read `out`
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    float* r = red + (warp * NT + n) * 128;  // [16][8]
+    r[g * 8 + 2 * t] = acc[n][0];
+    r[g * 8 + 2 * t + 1] = acc[n][1];
+    r[(g + 8) * 8 + 2 * t] = acc[n][2];
+    r[(g + 8) * 8 + 2 * t + 1] = acc[n][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
+    const int n = i >> 7, e = i & 127;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += red[(w * NT + n) * 128 + e];
+    out[i] = s;
+  }
+  __syncthreads();
+}
+
+// Shared-memory regions of the product (both fit any task's layout: they are used alone).
+struct GemmSmem {
+  float red[kWarps * 2 * 128];
+  float out[2 * 128];
+  ArgMax best[128];
+};
+
+__device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int which) {
+  return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
+}
+
+// ====  4. Task: NORM  ==========================================================================
+//   One row: on layer 0 the residual is the embedding of tokens[row]; on later layers it is rounded
+//   to bf16 (the reference keeps the residual in bf16). h = norm(x) * weight in bf16. layer ==
+//   NC_LAYERS is the final norm. Inputs: x [8, H] (fp32). Outputs: x, h [8, H].
+__device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
+  constexpr int kPer = (kHidden + kThreads - 1) / kThreads;
+  float* scratch = reinterpret_cast<float*>(smem);
+  const int row = t.arg[0], layer = t.layer;
+  float* xr = p.x + (size_t)row * kHidden;
+  const bf16* weight = layer == kLayers ? p.final_norm : layer_ptr(p, layer, LP_NORM);
+  int token = 0;
+  if (layer == 0) {
+    token = __ldcg(p.tokens + row);
+    if (token < 0 || token >= kVocab) {
+      if (threadIdx.x == 0) report(p, NC_ERR_BAD_TOKEN, row, token);
+      token = 0;
+    }
+  }
+  float v[kPer];
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    v[j] = 0.f;
+    if (i < kHidden) {
+      v[j] = layer == 0 ? to_f(p.embed[(size_t)token * kHidden + i]) : bf16_round(__ldcg(xr + i));
+      xr[i] = v[j];
+      sum += v[j];
+    }
+  }
+#if NC_RMS_NORM
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) sq += v[j] * v[j];
+  const float inv = 1.0f / sqrtf(block_sum(sq, scratch) / kHidden + p.norm_eps);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i < kHidden) p.h[(size_t)row * kHidden + i] = __float2bfloat16_rn(to_f(weight[i]) * bf16_round(v[j] * inv));
+  }
+#else
+  const float mean = block_sum(sum, scratch) / kHidden;
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i < kHidden) sq += (v[j] - mean) * (v[j] - mean);
+  }
+  const float inv = 1.0f / sqrtf(block_sum(sq, scratch) / kHidden + p.norm_eps);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i < kHidden) p.h[(size_t)row * kHidden + i] = __float2bfloat16_rn(to_f(weight[i]) * ((v[j] - mean) * inv));
+  }
+#endif
+}
+
+// ====  5. Task: QKV  ===========================================================================
+//   16-row tiles of the stacked [q; k; v] projection of h (K = H). Epilogue per (row r, batch b):
+//   round to bf16, GPT-J RoPE on q and k where the layer uses it (pairs 2i, 2i+1 are rows r, r^1 of
+//   the tile), then q -> q buffer, k and v -> the paged cache at the row's slot.
+__device__ void qkv_epilogue(const Params& p, int layer, int tile, bool rope, const float* out) {
+  const int i = threadIdx.x;
+  if (i >= 128) return;
+  const int r = i >> 3, b = i & 7;
+  if (b >= p.batch_size) return;
+  const int R = tile * 16 + r;  // row of the stacked projection
+  float val = bf16_round(out[r * 8 + b]);
+  const RowState rs = p.rows[b];
+  if (rope && R < kQSize + kKvSize) {
+    const int d = R % kHeadDim;
+    const float partner = bf16_round(out[(r ^ 1) * 8 + b]);
+    const float angle = (float)rs.position * p.inv_freq[d >> 1];
+    const float c = bf16_round(cosf(angle)), s = bf16_round(sinf(angle));
+    val = bf16_round(val * c + ((d & 1) ? partner : -partner) * s);
+  }
+  if (R < kQSize) {
+    p.q[(size_t)b * kQSize + R] = __float2bfloat16_rn(val);
+    return;
+  }
+  const bool is_k = R < kQSize + kKvSize;
+  const int kv_row = is_k ? R - kQSize : R - kQSize - kKvSize;
+  const int head = kv_row / kHeadDim, d = kv_row % kHeadDim;
+  const int page = p.block_tables[((size_t)layer * p.max_seqs + rs.seq) * p.max_pages_per_seq + rs.position / kPage];
+  if (page < 0 || page >= p.num_pages) {
+    report(p, NC_ERR_BAD_PAGE, layer, b);
+    return;
+  }
+  const size_t slot = (size_t)page * kPage + rs.position % kPage;
+  (is_k ? p.k_pool : p.v_pool)[(slot * kKvHeads + head) * kHeadDim + d] = __float2bfloat16_rn(val);
+}
+
+__device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
+  const int R = tile * 16;
+  return R < kQSize ? layer_ptr(p, layer, LP_Q) + (size_t)R * kHidden
+       : R < kQSize + kKvSize ? layer_ptr(p, layer, LP_K) + (size_t)(R - kQSize) * kHidden
+                              : layer_ptr(p, layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
+}
+
+__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  const int end = t.arg[0] + t.arg[1];
+  for (int tile = t.arg[0]; tile < end; tile += 2) {  // two tiles per product when the task has them
+    if (tile + 1 < end) {
+      const bf16* tiles[2] = {qkv_weight_tile(p, t.layer, tile), qkv_weight_tile(p, t.layer, tile + 1)};
+      const int valid[2] = {16, 16};
+      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
+      qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
+    } else {
+      const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
+      const int valid[1] = {16};
+      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
+    }
+  }
+}
+
+// ====  6. Task: ATTN  ==========================================================================
+//   Split-KV decode attention for one (row, KV head, split): the split's share of the row's visible
+//   pages (the whole history, or the window's: keys p-W+1..p), K and V pages double-buffered into
+//   shared memory with cp.async, online softmax per query head of the group, unnormalised output
+//   and (max, sum) to attn_partial / attn_ml. Invalid tokens of a page are never read.
+constexpr int kKvRow = kHeadDim + 8;  // bf16 per shared row: +16 B keeps 16-byte reads conflict-free
+constexpr int kAccPer = (kGroup * kHeadDim + kThreads - 1) / kThreads;
+struct AttnSmem {
+  bf16 k[2][kPage][kKvRow];
+  bf16 v[2][kPage][kKvRow];
+  float q[kGroup][kHeadDim];
+  float score[kGroup][kPage];
+  float m[kGroup], l[kGroup], alpha[kGroup];
+};
+static_assert(sizeof(AttnSmem) <= kSmemBytes, "attention shared memory");
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+}
+
+__device__ void load_kv_page(const Params& p, AttnSmem& s, int stage, int page, int kvh) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces per token row
+  for (int i = threadIdx.x; i < kPage * kChunks; i += kThreads) {
+    const int o = i / kChunks, c = i % kChunks;
+    const size_t src = (((size_t)page * kPage + o) * kKvHeads + kvh) * kHeadDim + c * 8;
+    cp_async16(&s.k[stage][o][c * 8], p.k_pool + src);
+    cp_async16(&s.v[stage][o][c * 8], p.v_pool + src);
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+__device__ void attn_page(AttnSmem& s, int stage, int lo_tok, int hi_tok, float scale, float (&acc)[kAccPer]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = threadIdx.x; i < kGroup * kPage; i += kThreads) {  // scores of valid tokens
+    const int hq = i / kPage, o = i % kPage;
+    float sc = -INFINITY;
+    if (o >= lo_tok && o <= hi_tok) {
+      const uint4* kr = reinterpret_cast<const uint4*>(&s.k[stage][o][0]);
+      const float* qr = s.q[hq];
+      float dot = 0.f;
+#pragma unroll 4
+      for (int c = 0; c < kHeadDim / 8; ++c) {
+        const uint4 kv = kr[c];
+        const bf16* kb = reinterpret_cast<const bf16*>(&kv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot += qr[c * 8 + e] * to_f(kb[e]);
+      }
+      sc = dot * scale;
+    }
+    s.score[hq][o] = sc;
+  }
+  __syncthreads();
+  for (int hq = warp; hq < kGroup; hq += kWarps) {  // online softmax, one warp per query head
+    const float v0 = s.score[hq][lane], v1 = s.score[hq][lane + 32];
+    const float m_old = s.m[hq];
+    const float m_new = fmaxf(m_old, warp_max(fmaxf(v0, v1)));
+    float p0 = 0.f, p1 = 0.f, alpha = 1.f;
+    if (m_new != -INFINITY) {
+      p0 = __expf(v0 - m_new);
+      p1 = __expf(v1 - m_new);
+      alpha = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+    }
+    const float sum = warp_sum(p0 + p1);
+    s.score[hq][lane] = p0;
+    s.score[hq][lane + 32] = p1;
+    __syncwarp();
+    if (lane == 0) {
+      s.l[hq] = s.l[hq] * alpha + sum;
+      s.m[hq] = m_new;
+      s.alpha[hq] = alpha;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kAccPer; ++j) {  // acc = acc * alpha + P V over the valid tokens
+    const int idx = threadIdx.x + j * kThreads;
+    if (idx < kGroup * kHeadDim) {
+      const int hq = idx / kHeadDim, d = idx % kHeadDim;
+      float a = acc[j] * s.alpha[hq];
+      for (int o = lo_tok; o <= hi_tok; ++o) a += s.score[hq][o] * to_f(s.v[stage][o][d]);
+      acc[j] = a;
+    }
+  }
+  __syncthreads();  // the stage is refilled next
+}
+
+__device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
+  AttnSmem& s = *reinterpret_cast<AttnSmem*>(smem);
+  const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2], nsplit = t.arg[3], window = t.arg[4];
+  const RowState rs = p.rows[b];
+  const int pos = rs.position;
+  const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+  const int first = lo / kPage, npages = pos / kPage - first + 1;
+  const int p0 = first + split * npages / nsplit, p1 = first + (split + 1) * npages / nsplit;
+  const int* table = p.block_tables + ((size_t)t.layer * p.max_seqs + rs.seq) * p.max_pages_per_seq;
+  for (int i = threadIdx.x; i < kGroup * kHeadDim; i += kThreads)
+    s.q[i / kHeadDim][i % kHeadDim] = to_f(__ldcg(p.q + (size_t)b * kQSize + kvh * kGroup * kHeadDim + i));
+  if (threadIdx.x < kGroup) {
+    s.m[threadIdx.x] = -INFINITY;
+    s.l[threadIdx.x] = 0.f;
+  }
+  float acc[kAccPer];
+#pragma unroll
+  for (int j = 0; j < kAccPer; ++j) acc[j] = 0.f;
+  const float scale = rsqrtf((float)kHeadDim);
+  auto page_of = [&](int pg) {
+    const int page = __ldcg(table + pg);
+    if (page < 0 || page >= p.num_pages) {
+      if (threadIdx.x == 0) report(p, NC_ERR_BAD_PAGE, t.layer, b);
+      return 0;
+    }
+    return page;
+  };
+  if (p0 < p1) load_kv_page(p, s, 0, page_of(p0), kvh);
+  for (int pg = p0; pg < p1; ++pg) {
+    const int stage = (pg - p0) & 1;
+    if (pg + 1 < p1) {
+      load_kv_page(p, s, stage ^ 1, page_of(pg + 1), kvh);
+      asm volatile("cp.async.wait_group 1;");
+    } else {
+      asm volatile("cp.async.wait_group 0;");
+    }
+    __syncthreads();
+    const int lo_tok = max(lo - pg * kPage, 0), hi_tok = min(pos - pg * kPage, kPage - 1);
+    attn_page(s, stage, lo_tok, hi_tok, scale, acc);
+  }
+  const size_t base = ((size_t)(b * kKvHeads + kvh) * kMaxSplits + split);
+#pragma unroll
+  for (int j = 0; j < kAccPer; ++j) {
+    const int idx = threadIdx.x + j * kThreads;
+    if (idx < kGroup * kHeadDim) p.attn_partial[base * kGroup * kHeadDim + idx] = acc[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < kGroup) {
+    p.attn_ml[(base * kGroup + threadIdx.x) * 2] = s.m[threadIdx.x];
+    p.attn_ml[(base * kGroup + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
+  }
+}
+
+// ====  7. Task: COMBINE  =======================================================================
+//   Merge the splits of one (row, KV head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M),
+//   written as bf16 into attn_out [8, Hq*D].
+__device__ void task_combine(const Params& p, const Task& t, unsigned char*) {
+  const int b = t.arg[0], kvh = t.arg[1], nsplit = t.arg[2];
+  const size_t base = (size_t)(b * kKvHeads + kvh) * kMaxSplits;
+  for (int idx = threadIdx.x; idx < kGroup * kHeadDim; idx += kThreads) {
+    const int hq = idx / kHeadDim;
+    float m = -INFINITY;
+    for (int sp = 0; sp < nsplit; ++sp) m = fmaxf(m, __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2));
+    float l = 0.f, o = 0.f;
+    for (int sp = 0; sp < nsplit; ++sp) {
+      const float ms = __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2);
+      if (ms == -INFINITY) continue;
+      const float f = __expf(ms - m);
+      l += __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2 + 1) * f;
+      o += __ldcg(p.attn_partial + (base + sp) * kGroup * kHeadDim + idx) * f;
+    }
+    p.attn_out[(size_t)b * kQSize + kvh * kGroup * kHeadDim + idx] = __float2bfloat16_rn(l > 0.f ? o / l : 0.f);
+  }
+}
+
+// ====  8. Task: OPROJ  =========================================================================
+//   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
+//   branch adds into the same rows).
+__device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
+    const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_O) + (size_t)tile * 16 * kQSize};
+    const int valid[1] = {16};
+    mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
+    const int i = threadIdx.x, r = i >> 3, b = i & 7;
+    if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
+  }
+}
+
+// ====  9. Task: ROUTER  ========================================================================
+//   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
+__device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
+    const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
+    const int valid[1] = {min(16, kExperts - tile * 16)};
+    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
+    if (i < 128 && b < p.batch_size && e < kExperts) p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
+  }
+}
+
+// ====  10. Task: TOPK  =========================================================================
+//   One warp per row picks the top-k router logits (ties: lower expert id), weights them (sigmoid,
+//   optionally renormalised, or softmax over the k), then the block numbers the distinct experts in
+//   ascending id order ("slots") and writes moe_slots and slot_weight [slot][row].
+struct TopkSmem {
+  int expert[kMaxBatch][kTopK];
+  float weight[kMaxBatch][kTopK];
+  int used[kExperts];
+};
+
+__device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
+  constexpr int kPer = (kExperts + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  float v[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < kExperts ? __ldcg(p.router_logits + b * kExperts + e) : -INFINITY;
+  }
+  for (int k = 0; k < kTopK; ++k) {
+    ArgMax best{-INFINITY, 1 << 30};
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      if (lane + 32 * j < kExperts) best = better(best, ArgMax{v[j], lane + 32 * j});
+    best = warp_argmax(best);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      if (lane + 32 * j == best.index) v[j] = -INFINITY;
+    if (lane == 0) {
+      s.expert[b][k] = best.index;
+      s.weight[b][k] = best.value;
+      p.routed[(layer * kMaxBatch + b) * kTopK + k] = best.index;
+    }
+  }
+  __syncwarp();
+  if (lane == 0) {
+#if NC_SELECT_SIGMOID
+    float total = 0.f;
+    for (int k = 0; k < kTopK; ++k) {
+      s.weight[b][k] = bf16_round(1.f / (1.f + expf(-s.weight[b][k])));
+      total += s.weight[b][k];
+    }
+#if NC_NORM_TOPK
+    total = bf16_round(total);
+    for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(s.weight[b][k] / total);
+#endif
+#else
+    const float m = s.weight[b][0];
+    float total = 0.f;
+    for (int k = 0; k < kTopK; ++k) total += expf(s.weight[b][k] - m);
+    for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(expf(s.weight[b][k] - m) / total);
+#endif
+  }
+}
+
+__device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
+  TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
+  const int warp = threadIdx.x >> 5;
+  if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
+  __syncthreads();
+  for (int e = threadIdx.x; e < kExperts; e += kThreads) {
+    int used = 0;
+    for (int b = 0; b < p.batch_size; ++b)
+      for (int k = 0; k < kTopK; ++k) used |= s.expert[b][k] == e;
+    s.used[e] = used;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kExperts; e += kThreads) {
+    if (!s.used[e]) continue;
+    int slot = 0;
+    for (int f = 0; f < e; ++f) slot += s.used[f];
+    p.moe_slots[1 + slot] = e;
+    for (int b = 0; b < kMaxBatch; ++b) {
+      float w = 0.f;
+      if (b < p.batch_size)
+        for (int k = 0; k < kTopK; ++k)
+          if (s.expert[b][k] == e) w = s.weight[b][k];
+      p.slot_weight[slot * kMaxBatch + b] = w;
+    }
+  }
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int e = 0; e < kExperts; ++e) n += s.used[e];
+    p.moe_slots[0] = n;
+    p.expert_counts[t.layer] = n;
+  }
+}
+
+// ====  11. Tasks: MOE_UP and MOE_DOWN (device-side queues)  ====================================
+//   Drains: every SM runs one per layer and claims tiles with atomicAdd on a per-layer head counter
+//   until the queue (sized by the slot count TOPK wrote) is empty. Up claim = (slot, 32 channels):
+//   gate and up rows of the slot's expert -> moe_act[slot][b] = bf16(silu(gate) * up), then "slot
+//   done" += 1 per 16 channels. Down claim = (slot, 64 output rows): waits until the slot's I/16 are done,
+//   then x[b] += bf16(bf16(down . act) * weight[slot][b]) for the rows routed to that expert.
+__device__ int claim(const Params& p, int head, int* shared_slot) {
+  __syncthreads();  // everyone has read the previous claim
+  if (threadIdx.x == 0) *shared_slot = (int)atomicAdd(p.counters + head, 1u);
+  __syncthreads();
+  return *shared_slot;
+}
+
+__device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f + expf(-g))); }
+
+__device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  int* claimed = reinterpret_cast<int*>(&s.best[0]);
+  constexpr int kTilesPerSlot = kExpertWidth / 32;  // a claim covers 32 channels: two 16-row sub-tiles
+  const int num_tiles = __ldcg(p.moe_slots) * kTilesPerSlot;
+  const bf16* gate_up = layer_ptr(p, t.layer, LP_EXPERT_GATE_UP);  // [E, 2I, H]
+  for (int tile = claim(p, t.arg[0], claimed); tile < num_tiles; tile = claim(p, t.arg[0], claimed)) {
+    const int slot = tile / kTilesPerSlot;
+    const int expert = __ldcg(p.moe_slots + 1 + slot);
+    const bf16* w = gate_up + (size_t)expert * 2 * kExpertWidth * kHidden;
+    for (int j = (tile % kTilesPerSlot) * 2; j < (tile % kTilesPerSlot) * 2 + 2; ++j) {
+      const bf16* tiles[2] = {w + (size_t)j * 16 * kHidden, w + (size_t)(kExpertWidth + j * 16) * kHidden};
+      const int valid[2] = {16, 16};
+      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      const int i = threadIdx.x, r = i >> 3, b = i & 7;
+      if (i < 128 && b < p.batch_size) {
+        const float act = bf16_round(silu_bf16(bf16_round(s.out[i])) * bf16_round(s.out[128 + i]));
+        p.moe_act[((size_t)slot * kMaxBatch + b) * kExpertWidth + j * 16 + r] = __float2bfloat16_rn(act);
+      }
+      signal_counter(p, t.arg[1] + slot);  // one per 16 channels: the slot is done at I/16
+    }
+  }
+}
+
+__device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  int* claimed = reinterpret_cast<int*>(&s.best[0]);
+  constexpr int kTilesPerSlot = kHidden / 64;  // a claim covers 64 output rows: two 32-row sub-tiles
+  const int num_tiles = __ldcg(p.moe_slots) * kTilesPerSlot;
+  const bf16* down = layer_ptr(p, t.layer, LP_EXPERT_DOWN);  // [E, H, I]
+  for (int tile = claim(p, t.arg[0], claimed); tile < num_tiles; tile = claim(p, t.arg[0], claimed)) {
+    const int slot = tile / kTilesPerSlot;
+    const int expert = __ldcg(p.moe_slots + 1 + slot);
+    const int row0 = (tile % kTilesPerSlot) * 64;
+    const bf16* w = down + (size_t)expert * kHidden * kExpertWidth + (size_t)row0 * kExpertWidth;
+    for (size_t off = threadIdx.x * 128; off < (size_t)64 * kExpertWidth * 2; off += kThreads * 128)
+      prefetch_l2(reinterpret_cast<const char*>(w) + off);
+    wait_counter(p, t.arg[1] + slot, kExpertWidth / 16);
+    const float weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
+    for (int half = 0; half < 2; ++half) {
+      const bf16* tiles[2] = {w + (size_t)half * 32 * kExpertWidth, w + (size_t)(half * 32 + 16) * kExpertWidth};
+      const int valid[2] = {16, 16};
+      mma_tiles<2>(tiles, valid, kExpertWidth, p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth, kExpertWidth,
+                   p.batch_size, s.red, s.out);
+      const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
+      if (weight != 0.f)
+        atomicAdd(p.x + (size_t)b * kHidden + row0 + half * 32 + n * 16 + r, bf16_round(bf16_round(s.out[i]) * weight));
+    }
+  }
+}
+
+// ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================
+//   The dense layer's SwiGLU: up tiles (16 channels of gate and up, K = H) -> dense_act; down tiles
+//   (32 rows of H, K = I_dense) -> x += bf16(result).
+__device__ void task_dense_up(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
+    const bf16* tiles[2] = {layer_ptr(p, t.layer, LP_GATE) + (size_t)tile * 16 * kHidden,
+                            layer_ptr(p, t.layer, LP_UP) + (size_t)tile * 16 * kHidden};
+    const int valid[2] = {16, 16};
+    mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    const int i = threadIdx.x, r = i >> 3, b = i & 7;
+    if (i < 128 && b < p.batch_size) {
+      const float act = bf16_round(silu_bf16(bf16_round(s.out[i])) * bf16_round(s.out[128 + i]));
+      p.dense_act[(size_t)b * kDenseWidth + tile * 16 + r] = __float2bfloat16_rn(act);
+    }
+  }
+}
+
+__device__ void task_dense_down(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
+    const bf16* w = layer_ptr(p, t.layer, LP_DOWN) + (size_t)tile * 32 * kDenseWidth;
+    const bf16* tiles[2] = {w, w + 16 * kDenseWidth};
+    const int valid[2] = {16, 16};
+    mma_tiles<2>(tiles, valid, kDenseWidth, p.dense_act, kDenseWidth, p.batch_size, s.red, s.out);
+    const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
+    if (b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 32 + n * 16 + r, bf16_round(s.out[i]));
+  }
+}
+
+// ====  13. Task: LM_HEAD  ======================================================================
+//   32-row tiles of the (tied) LM head over the final-normed h: logits[b][v] = logit_scale * dot.
+//   Also keeps, per row, the task's best logit (greedy) and best logit/T + Gumbel noise (sampling
+//   without filters) in lm_partial, so SAMPLE needs no pass over the vocabulary on those paths.
+__device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
+  const bool live = b < p.batch_size;
+  RowState rs{};
+  if (live) rs = p.rows[b];
+  ArgMax greedy{-INFINITY, 1 << 30}, noisy{-INFINITY, 1 << 30};
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
+    const int row0 = tile * 32;
+    const bf16* tiles[2] = {p.lm_head + (size_t)min(row0, kVocab - 1) * kHidden,
+                            p.lm_head + (size_t)min(row0 + 16, kVocab - 1) * kHidden};
+    const int valid[2] = {max(1, min(16, kVocab - row0)), max(1, min(16, kVocab - row0 - 16))};
+    mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    const int v = row0 + n * 16 + r;
+    if (live && v < kVocab) {
+      const float logit = s.out[i] * p.logit_scale;
+      p.logits[(size_t)b * kVocab + v] = logit;
+      greedy = better(greedy, ArgMax{logit, v});
+      if (rs.temperature > 0.f)
+        noisy = better(noisy, ArgMax{logit / rs.temperature + gumbel_noise(rs.seed, rs.step, v), v});
+    }
+  }
+  for (int pass = 0; pass < 2; ++pass) {  // reduce the 32 threads of each row b, greedy then noisy
+    if (n == 0) s.best[i] = pass == 0 ? greedy : noisy;
+    __syncthreads();
+    if (n == 1) s.best[i - 128] = better(s.best[i - 128], pass == 0 ? greedy : noisy);
+    __syncthreads();
+    if (i < 8 && i < p.batch_size) {
+      ArgMax best = s.best[i];
+      for (int rr = 1; rr < 16; ++rr) best = better(best, s.best[rr * 8 + i]);
+      float* out = p.lm_partial + ((size_t)t.arg[2] * kMaxBatch + i) * 4 + pass * 2;
+      out[0] = best.value;
+      out[1] = __int_as_float(best.index);
+    }
+    __syncthreads();
+  }
+}
+
+// ====  14. Task: SAMPLE  =======================================================================
+//   One row's next token. Greedy (temperature <= 0) and plain temperature sampling reduce the LM
+//   head's partials. With top-k / top-p / min-p the block finds the smallest kept logit tau by
+//   radix selection over the row's logits (top-k: k-th largest; min-p: max + T ln(min_p); top-p:
+//   smallest prefix of the sorted kept tokens whose probability reaches p), then draws
+//   argmax(logit/T + Gumbel) over the logits >= tau: an exact sample of the filtered softmax.
+struct SampleSmem {
+  float hist_mass[256];
+  unsigned hist_count[256];
+  float scratch[kWarps];
+  ArgMax best[kWarps];
+  unsigned chosen;
+  float remaining;
+};
+
+__device__ __forceinline__ unsigned order_key(float f) {  // monotonic float -> uint32
+  const unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The key kappa where the (count or mass) from the top first reaches `target`, among keys >= floor.
+__device__ unsigned radix_select(const float* row, float inv_t, float max_scaled, unsigned floor, float target,
+                                 bool by_mass, SampleSmem& s) {
+  unsigned prefix = 0, mask = 0;
+  float remaining = target;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int d = threadIdx.x; d < 256; d += kThreads) { s.hist_mass[d] = 0.f; s.hist_count[d] = 0; }
+    __syncthreads();
+    for (int v = threadIdx.x; v < kVocab; v += kThreads) {
+      const float sc = __ldcg(row + v) * inv_t;
+      const unsigned key = order_key(sc);
+      if (key >= floor && (key & mask) == prefix) {
+        const int d = (key >> shift) & 255;
+        if (by_mass) atomicAdd(&s.hist_mass[d], __expf(sc - max_scaled));
+        else atomicAdd(&s.hist_count[d], 1u);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float cum = 0.f;
+      int chosen = -1, lowest = 0;
+      for (int d = 255; d >= 0; --d) {
+        const float here = by_mass ? s.hist_mass[d] : (float)s.hist_count[d];
+        if (here > 0.f) lowest = d;
+        if (here > 0.f && cum + here >= remaining) { chosen = d; break; }
+        cum += here;
+      }
+      if (chosen < 0) { chosen = lowest; cum = 0.f; }  // rounding left the target unreached
+      s.chosen = (unsigned)chosen;
+      s.remaining = remaining - cum;
+    }
+    __syncthreads();
+    prefix |= s.chosen << shift;
+    mask |= 255u << shift;
+    remaining = s.remaining;
+    __syncthreads();
+  }
+  return prefix;
+}
+
+__device__ void task_sample(const Params& p, const Task& t, unsigned char* smem) {
+  SampleSmem& s = *reinterpret_cast<SampleSmem*>(smem);
+  const int b = t.arg[0], num_lm = t.arg[1];
+  const RowState rs = p.rows[b];
+  const bool greedy = rs.temperature <= 0.f;
+  const bool filtered = !greedy && (rs.top_k > 0 || rs.top_p < 1.f || rs.min_p > 0.f);
+  if (!filtered) {  // reduce the LM head's partials
+    ArgMax best{-INFINITY, 1 << 30};
+    for (int j = threadIdx.x; j < num_lm; j += kThreads) {
+      const float* part = p.lm_partial + ((size_t)j * kMaxBatch + b) * 4 + (greedy ? 0 : 2);
+      best = better(best, ArgMax{__ldcg(part), __float_as_int(__ldcg(part + 1))});
+    }
+    best = block_argmax(best, s.best);
+    if (threadIdx.x == 0) p.tokens[b] = best.index;
+    return;
+  }
+  const float* row = p.logits + (size_t)b * kVocab;
+  const float inv_t = 1.f / rs.temperature;
+  float m = -INFINITY;
+  for (int v = threadIdx.x; v < kVocab; v += kThreads) m = fmaxf(m, __ldcg(row + v) * inv_t);
+  const float max_scaled = block_max(m, s.scratch);
+  unsigned floor = 0;  // the order key of the smallest kept scaled logit; filters apply in vLLM's order
+  if (rs.top_k > 0 && rs.top_k < kVocab)
+    floor = radix_select(row, inv_t, max_scaled, 0, (float)rs.top_k, false, s);
+  if (rs.top_p < 1.f) {  // mass of the top-k survivors (before min-p, as sampling.filter_probs)
+    float z = 0.f;
+    for (int v = threadIdx.x; v < kVocab; v += kThreads) {
+      const float sc = __ldcg(row + v) * inv_t;
+      if (order_key(sc) >= floor) z += __expf(sc - max_scaled);
+    }
+    z = block_sum(z, s.scratch);
+    floor = max(floor, radix_select(row, inv_t, max_scaled, floor, rs.top_p * z, true, s));
+  }
+  if (rs.min_p > 0.f) floor = max(floor, order_key(max_scaled + logf(rs.min_p)));  // p >= min_p * p_max
+  ArgMax best{-INFINITY, 1 << 30};
+  for (int v = threadIdx.x; v < kVocab; v += kThreads) {
+    const float sc = __ldcg(row + v) * inv_t;
+    if (order_key(sc) >= floor) best = better(best, ArgMax{sc + gumbel_noise(rs.seed, rs.step, v), v});
+  }
+  best = block_argmax(best, s.best);
+  if (threadIdx.x == 0) p.tokens[b] = best.index;
+}
+
+// ====  15. Dispatcher  =========================================================================
+//   One block per SM walks tasks[task_start[block] .. task_start[block+1]): prefetch the task's
+//   first weights into L2, wait, compute, signal. An aborted step (status != 0) skips the compute.
+__device__ void prefetch_task_weights(const Params& p, const Task& t) {
+  const bf16* w = nullptr;
+  size_t bytes = 0;
+  if (t.type == TASK_QKV) {
+    const int R = t.arg[0] * 16;
+    w = R < kQSize ? layer_ptr(p, t.layer, LP_Q) + (size_t)R * kHidden
+      : R < kQSize + kKvSize ? layer_ptr(p, t.layer, LP_K) + (size_t)(R - kQSize) * kHidden
+                             : layer_ptr(p, t.layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
+    bytes = (size_t)16 * kHidden * 2;  // the first tile (a task's tiles can straddle q/k/v)
+  } else if (t.type == TASK_ROUTER) {
+    w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)t.arg[0] * 16 * kHidden;
+    bytes = (size_t)min(t.arg[1] * 16, kExperts - t.arg[0] * 16) * kHidden * 2;
+  } else if (t.type == TASK_DENSE_UP) {
+    w = layer_ptr(p, t.layer, LP_GATE) + (size_t)t.arg[0] * 16 * kHidden;
+    bytes = (size_t)t.arg[1] * 16 * kHidden * 2;
+    const bf16* up = layer_ptr(p, t.layer, LP_UP) + (size_t)t.arg[0] * 16 * kHidden;
+    for (size_t off = threadIdx.x * 128; off < bytes; off += kThreads * 128)
+      prefetch_l2(reinterpret_cast<const char*>(up) + off);
+  } else if (t.type == TASK_LM_HEAD) {
+    w = p.lm_head + (size_t)t.arg[0] * 32 * kHidden;
+    bytes = (size_t)min(t.arg[1] * 32, kVocab - t.arg[0] * 32) * kHidden * 2;
+  } else if (t.type == TASK_OPROJ) {
+    w = layer_ptr(p, t.layer, LP_O) + (size_t)t.arg[0] * 16 * kQSize;
+    bytes = (size_t)t.arg[1] * 16 * kQSize * 2;
+  } else if (t.type == TASK_DENSE_DOWN) {
+    w = layer_ptr(p, t.layer, LP_DOWN) + (size_t)t.arg[0] * 32 * kDenseWidth;
+    bytes = (size_t)t.arg[1] * 32 * kDenseWidth * 2;
+  }
+  if (w == nullptr) return;
+  bytes = min(bytes, (size_t)256 * 1024);
+  for (size_t off = threadIdx.x * 128; off < bytes; off += kThreads * 128)
+    prefetch_l2(reinterpret_cast<const char*>(w) + off);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ Task task;
+  __shared__ int aborted;  // one thread reads the status, so that the whole block takes the same branch
+  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
+    if (threadIdx.x < 16) reinterpret_cast<int*>(&task)[threadIdx.x] = reinterpret_cast<const int*>(p.tasks + i)[threadIdx.x];
+    __syncthreads();
+    const Task t = task;
+    if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
+    if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
+    if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
+      prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
+    wait_counter(p, t.wait[0], t.target[0]);
+    wait_counter(p, t.wait[1], t.target[1]);
+    if (threadIdx.x == 0) aborted = *(volatile int*)p.status;
+    if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
+    __syncthreads();
+    if (!aborted) {
+      switch (t.type) {
+        case TASK_STOP: break;
+        case TASK_NORM: task_norm(p, t, smem); break;
+        case TASK_QKV: task_qkv(p, t, smem); break;
+        case TASK_ATTN: task_attn(p, t, smem); break;
+        case TASK_COMBINE: task_combine(p, t, smem); break;
+        case TASK_OPROJ: task_oproj(p, t, smem); break;
+        case TASK_ROUTER: task_router(p, t, smem); break;
+        case TASK_TOPK: task_topk(p, t, smem); break;
+        case TASK_MOE_UP: task_moe_up(p, t, smem); break;
+        case TASK_MOE_DOWN: task_moe_down(p, t, smem); break;
+        case TASK_DENSE_UP: task_dense_up(p, t, smem); break;
+        case TASK_DENSE_DOWN: task_dense_down(p, t, smem); break;
+        case TASK_LM_HEAD: task_lm_head(p, t, smem); break;
+        case TASK_SAMPLE: task_sample(p, t, smem); break;
+        default: if (threadIdx.x == 0) report(p, NC_ERR_BAD_TASK, i, t.type);
+      }
+    }
+    signal_counter(p, t.signal);
+    if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 2] = global_ns();
+  }
+}
+
+// ====  16. C ABI  ==============================================================================
+static char g_last_error[512] = "";
+
+static int fail(const char* what, cudaError_t err) {
+  snprintf(g_last_error, sizeof(g_last_error), "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+  return -1;
+}
+
+// The ABI version this library was built with (megakernel.py refuses a mismatch).
+extern "C" int nc_abi_version(void) { return NC_ABI_VERSION; }
+// sizeof(Params), sizeof(Task), sizeof(RowState): megakernel.py checks its ctypes mirrors.
+extern "C" int nc_params_size(void) { return (int)sizeof(Params); }
+extern "C" int nc_task_size(void) { return (int)sizeof(Task); }
+extern "C" int nc_row_size(void) { return (int)sizeof(RowState); }
+// Writes the compile-time geometry into out[0..n) (order: megakernel.py GEOMETRY_FIELDS); returns the count.
+extern "C" int nc_geometry(int* out, int n) {
+  const int g[] = {kHidden, kLayers, kHeads, kKvHeads, kHeadDim, kVocab, kExperts, kTopK, kExpertWidth,
+                   kDenseWidth, kMaxBatch, kMaxSplits, NC_RMS_NORM, NC_SELECT_SIGMOID, NC_NORM_TOPK};
+  const int count = (int)(sizeof(g) / sizeof(g[0]));
+  for (int i = 0; i < n && i < count; ++i) out[i] = g[i];
+  return count;
+}
+// Dynamic shared memory per block, in bytes.
+extern "C" int nc_smem_bytes(void) { return kSmemBytes; }
+// The last error's message (static storage; valid until the next failing call).
+extern "C" const char* nc_last_error(void) { return g_last_error; }
+
+// Raises the kernel's shared-memory limit; 0 ok, -1 error (see nc_last_error).
+extern "C" int nc_init(void) {
+  cudaError_t err = cudaFuncSetAttribute(nc_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return fail("cudaFuncSetAttribute", err);
+  int blocks = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, nc_decode_kernel, kThreads, kSmemBytes);
+  if (err != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", err);
+  if (blocks < 1) {
+    snprintf(g_last_error, sizeof(g_last_error), "the kernel cannot be resident (0 blocks per SM)");
+    return -1;
+  }
+  return 0;
+}
+
+// Zeroes the counters and launches one decode step on `stream` (a cudaStream_t); returns at once.
+// 0 ok, -1 error. Device-side failures (timeouts, bad pages or tokens) land in p->status.
+extern "C" int nc_decode_step(const Params* p, void* stream) {
+  if (p == nullptr || p->num_blocks <= 0 || p->batch_size <= 0 || p->batch_size > kMaxBatch) {
+    snprintf(g_last_error, sizeof(g_last_error), "nc_decode_step: bad params (num_blocks %d, batch_size %d)",
+             p ? p->num_blocks : -1, p ? p->batch_size : -1);
+    return -1;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaMemsetAsync(p->counters, 0, sizeof(unsigned) * (size_t)p->num_counters, s);
+  if (err != cudaSuccess) return fail("cudaMemsetAsync(counters)", err);
+  nc_decode_kernel<<<p->num_blocks, kThreads, kSmemBytes, s>>>(*p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return fail("nc_decode_kernel launch", err);
+  return 0;
+}

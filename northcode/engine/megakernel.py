@@ -1,0 +1,407 @@
+"""The decode megakernel from Python: build csrc/megakernel.cu, check its C ABI, build task lists, run steps.
+
+`build_library(config)` compiles the .cu for the checkpoint's geometry (compile-time constants) into a
+cache under paths.data_dir()/kernels keyed by a hash of source, geometry, flags and nvcc version;
+`Megakernel` owns the library, the scratch buffers and the per-(batch, splits) task lists
+(megakernel_tasks.py builds them), and launches one step per call on the current stream without
+waiting for it; `MegakernelBackend` is the engine's decode backend over it. Sampling happens on the
+device; this file never schedules requests and holds no engine state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from northcode import paths
+from northcode.config import ModelConfig
+from northcode.engine.megakernel_tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, WAVE_ORDERS, Schedule,
+                                               TaskType, attention_splits, build_schedule, flatten, make_task,
+                                               place_waves, summarize_profile)
+
+__all__ = ["Megakernel", "MegakernelBackend", "RowSpec", "Schedule", "TaskType", "attention_splits", "build_library",
+           "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
+           "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS", "WAVE_ORDERS"]
+
+ABI_VERSION = 2
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "megakernel.cu"
+NVCC_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_LAYERS", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
+                   "NC_TOPK", "NC_EXPERT_WIDTH", "NC_DENSE_WIDTH", "NC_MAX_BATCH", "NC_MAX_SPLITS", "NC_RMS_NORM",
+                   "NC_SELECT_SIGMOID", "NC_NORM_TOPK")
+FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
+MAX_BATCH = 8
+STATUS_MESSAGES = {1: "a dependency wait timed out (counter {0}, target {1}): the step hung",
+                   2: "task {0} has an unknown type {1}", 3: "layer {0}, row {1}: a needed KV page is unmapped",
+                   4: "row {0}: token id {1} is outside the vocabulary"}
+
+
+LAYER_PTR_NAMES = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                   "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate.weight",
+                   "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate_proj.weight",
+                   "mlp.up_proj.weight", "mlp.down_proj.weight")  # order of LayerPtr in the .cu
+
+# --- geometry and build ---
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why the megakernel cannot run this model, or None when it can."""
+    checks = [
+        (config.num_shared_experts == 0, "shared experts are not implemented in the megakernel"),
+        (config.hidden_size % 64 == 0, f"hidden_size {config.hidden_size} is not a multiple of 64"),
+        (config.q_size % 32 == 0, f"num_attention_heads*head_dim {config.q_size} is not a multiple of 32"),
+        (config.head_dim % 16 == 0, f"head_dim {config.head_dim} is not a multiple of 16"),
+        (config.intermediate_size % 32 == 0, f"intermediate_size {config.intermediate_size} is not a multiple of 32"),
+        (config.dense_intermediate_size % 32 == 0,
+         f"dense intermediate size {config.dense_intermediate_size} is not a multiple of 32"),
+        (config.num_experts <= 256 and config.num_experts_per_tok <= 32, "more than 256 experts or top-k above 32"),
+        (config.num_attention_heads // config.num_key_value_heads * config.head_dim * 4 <= 64 * 1024,
+         "query group too large for the attention task's shared memory"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return why
+    return None
+
+
+def geometry(config: ModelConfig) -> dict[str, int]:
+    """The -D defines that fix the kernel's geometry (order: GEOMETRY_FIELDS)."""
+    values = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+              config.head_dim, config.vocab_size, config.num_experts, config.num_experts_per_tok,
+              config.intermediate_size, config.dense_intermediate_size, MAX_BATCH, MAX_SPLITS,
+              int(config.uses_rms_norm), int(config.expert_selection_fn == "sigmoid"), int(config.norm_topk_prob))
+    return dict(zip(GEOMETRY_FIELDS, values))
+
+
+def find_nvcc() -> str:
+    for candidate in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    raise RuntimeError("megakernel: nvcc not found (put it on PATH or set CUDA_HOME)")
+
+
+def nvcc_command(config: ModelConfig, output: Path, extra_flags: tuple[str, ...] = ()) -> list[str]:
+    defines = [f"-D{k}={v}" for k, v in geometry(config).items()]
+    return [find_nvcc(), *NVCC_FLAGS, *extra_flags, *defines, "-o", str(output), str(SOURCE)]
+
+
+def build_library(config: ModelConfig, cache_dir: Path | None = None) -> Path:
+    """Compile (first use) and return the shared library for this geometry; builds are cached and locked."""
+    reason = unsupported_reason(config)
+    if reason:
+        raise ValueError(f"megakernel: unsupported model: {reason}")
+    nvcc = find_nvcc()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((geometry(config), NVCC_FLAGS, version)).encode()).hexdigest()[:20]
+    cache_dir = cache_dir or paths.data_dir() / "kernels"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    library = cache_dir / f"megakernel-{key}.so"
+    if library.is_file():
+        return library
+    with open(cache_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.is_file():
+            return library
+        partial = library.with_suffix(f".tmp{os.getpid()}")
+        result = subprocess.run(nvcc_command(config, partial), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"megakernel: nvcc failed for {SOURCE}:\n{result.stderr[-4000:]}")
+        partial.rename(library)
+    return library
+
+
+# --- the C ABI (mirrors of Params, Task and RowState in the .cu) ---
+
+_U64, _I32, _F32, _I64 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_int64
+SCRATCH_FIELDS = ("x", "h", "q", "attn_partial", "attn_ml", "attn_out", "router_logits", "moe_slots",
+                  "slot_weight", "moe_act", "dense_act", "logits", "lm_partial", "expert_counts", "routed")
+# Params fields after the scratch pointers: profile (0 = off), then the scalars
+
+
+class Params(ctypes.Structure):
+    _fields_ = [("layer_ptrs", _U64), ("embed", _U64), ("final_norm", _U64), ("lm_head", _U64), ("inv_freq", _U64),
+                ("k_pool", _U64), ("v_pool", _U64), ("block_tables", _U64), ("num_pages", _I64),
+                ("max_seqs", _I32), ("max_pages_per_seq", _I32), ("tasks", _U64), ("task_start", _U64),
+                ("num_blocks", _I32), ("batch_size", _I32), ("counters", _U64), ("num_counters", _I32),
+                ("flags", _I32), ("rows", _U64), ("tokens", _U64), ("status", _U64),
+                *[(name, _U64) for name in SCRATCH_FIELDS], ("profile", _U64),
+                ("norm_eps", _F32), ("logit_scale", _F32), ("timeout_ns", _I64)]
+
+
+ROW_FORMAT = "<iiiiQffff"  # RowState: position, seq, step, top_k, seed, temperature, top_p, min_p, pad
+
+
+def load_library(path: Path, config: ModelConfig) -> ctypes.CDLL:
+    """Open a built library and check its ABI version, struct sizes and geometry against this file's."""
+    lib = ctypes.CDLL(str(path))
+    lib.nc_last_error.restype = ctypes.c_char_p
+    lib.nc_decode_step.argtypes = [ctypes.POINTER(Params), ctypes.c_void_p]
+    checks = [("ABI version", lib.nc_abi_version(), ABI_VERSION),
+              ("sizeof(Params)", lib.nc_params_size(), ctypes.sizeof(Params)),
+              ("sizeof(Task)", lib.nc_task_size(), TASK_WORDS * 4),
+              ("sizeof(RowState)", lib.nc_row_size(), struct.calcsize(ROW_FORMAT))]
+    built = (ctypes.c_int * len(GEOMETRY_FIELDS))()
+    lib.nc_geometry(built, len(GEOMETRY_FIELDS))
+    checks.append(("geometry", list(built), list(geometry(config).values())))
+    for what, got, expected in checks:
+        if got != expected:
+            raise RuntimeError(f"megakernel: {path.name}: {what} is {got}, Python expects {expected} (stale build?)")
+    if lib.nc_init() != 0:
+        raise RuntimeError(f"megakernel: {lib.nc_last_error().decode()}")
+    return lib
+
+
+# --- the runner ---
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    """One batch row of a step: which sequence, at which position, and how to sample its next token."""
+
+    position: int  # tokens already cached for the sequence; the row's token goes here
+    seq: int  # block-table row
+    step: int = 0  # the request's draw counter (seeds the noise)
+    seed: int = 0
+    temperature: float = 0.0  # <= 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+class Megakernel:
+    """One model's megakernel on one GPU: weights, KV pools and block tables by pointer, scratch owned here.
+
+    `step(rows, tokens)` launches one decode step on the current stream and returns at once; the next
+    tokens land in `self.tokens` (device int32 [8]) and the fp32 logits in `self.logits` [8, V].
+    Call `check()` (it synchronises) to turn a device-side failure into an exception.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], k_pool: torch.Tensor,
+                 v_pool: torch.Tensor, block_tables: torch.Tensor, num_blocks: int | None = None,
+                 timeout_s: float = 20.0) -> None:
+        from northcode.engine.model import rope_inv_freq
+
+        self.config, self.device = config, k_pool.device
+        self.lib = load_library(build_library(config), config)
+        self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._weights = self._check_weights(weights)
+        self.layer_ptrs = torch.tensor(self._layer_pointers(), dtype=torch.int64, device=self.device)
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
+        self._allocate_scratch()
+        self.params = Params(
+            layer_ptrs=self.layer_ptrs.data_ptr(), embed=self._weights["model.embed_tokens.weight"].data_ptr(),
+            final_norm=self._weights["model.norm.weight"].data_ptr(), lm_head=self._weights["lm_head.weight"].data_ptr(),
+            inv_freq=self.inv_freq.data_ptr(), rows=self.rows.data_ptr(), tokens=self.io.data_ptr(),
+            status=self.io[MAX_BATCH:].data_ptr(), norm_eps=config.norm_eps, logit_scale=config.logit_scale,
+            timeout_ns=int(timeout_s * 1e9), **{name: getattr(self, name).data_ptr() for name in SCRATCH_FIELDS})
+        self.set_cache(k_pool, v_pool, block_tables)
+        self._schedules: dict[tuple, Schedule] = {}
+        self.wave_order, self.qkv_tiles = "attention-first", 1  # schedule variants (bench --variants)
+        self.params.flags = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
+        row_bytes = MAX_BATCH * struct.calcsize(ROW_FORMAT)
+        self._rows_host = [torch.zeros(row_bytes, dtype=torch.uint8).pin_memory() for _ in range(4)]
+        self._rows_copied = [torch.cuda.Event() for _ in range(4)]  # a pinned buffer is rewritten only after its copy
+        self._rows_turn = 0
+
+    def _check_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        checked = {}
+        for name, tensor in weights.items():
+            if tensor.dtype != torch.bfloat16 or tensor.device != self.device or not tensor.is_contiguous():
+                raise ValueError(f"megakernel: weight {name} must be a contiguous bfloat16 tensor on {self.device} "
+                                 f"(got {tensor.dtype} on {tensor.device}, contiguous={tensor.is_contiguous()})")
+            checked[name] = tensor
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            if name not in checked:
+                raise ValueError(f"megakernel: weight {name} is missing")
+        return checked
+
+    def _layer_pointers(self) -> list[list[int]]:
+        table = []
+        for layer in range(self.config.num_hidden_layers):
+            row = []
+            for name in LAYER_PTR_NAMES:
+                tensor = self._weights.get(f"model.layers.{layer}.{name}")
+                row.append(tensor.data_ptr() if tensor is not None else 0)
+            needed = (0, 1, 2, 3, 4) + ((8, 9, 10) if self.config.is_dense(layer) else (5, 6, 7))
+            for j in needed:
+                if row[j] == 0:
+                    raise ValueError(f"megakernel: weight model.layers.{layer}.{LAYER_PTR_NAMES[j]} is missing")
+            table.append(row)
+        return table
+
+    def _allocate_scratch(self) -> None:
+        c, dev, b = self.config, self.device, MAX_BATCH
+        group_width = c.num_attention_heads // c.num_key_value_heads * c.head_dim
+        f32, bf16 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.bfloat16, device=dev)
+        self.x, self.h = torch.zeros(b, c.hidden_size, **f32), torch.zeros(b, c.hidden_size, **bf16)
+        self.q, self.attn_out = torch.zeros(b, c.q_size, **bf16), torch.zeros(b, c.q_size, **bf16)
+        self.attn_partial = torch.zeros(b, c.num_key_value_heads, MAX_SPLITS, group_width, **f32)
+        self.attn_ml = torch.zeros(b, c.num_key_value_heads, MAX_SPLITS, group_width // c.head_dim, 2, **f32)
+        self.router_logits = torch.zeros(b, c.num_experts, **f32)
+        self.moe_slots = torch.zeros(1 + c.num_experts, dtype=torch.int32, device=dev)
+        self.slot_weight = torch.zeros(c.num_experts, b, **f32)
+        self.moe_act = torch.zeros(c.num_experts, b, c.intermediate_size, **bf16)
+        self.dense_act = torch.zeros(b, c.dense_intermediate_size, **bf16)
+        self.logits = torch.zeros(b, c.vocab_size, **f32)
+        self.lm_partial = torch.zeros(4 * self.num_blocks + 8, b, 4, **f32)
+        self.expert_counts = torch.zeros(c.num_hidden_layers, dtype=torch.int32, device=dev)
+        self.routed = torch.zeros(c.num_hidden_layers, b, c.num_experts_per_tok, dtype=torch.int32, device=dev)
+        self.rows = torch.zeros(b * struct.calcsize(ROW_FORMAT), dtype=torch.uint8, device=dev)
+        self.io = torch.zeros(MAX_BATCH + 4, dtype=torch.int32, device=dev)  # tokens [8], then status [4]
+        self.counters = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.io[:MAX_BATCH]
+
+    def set_cache(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """Point the kernel at the KV pools [pages, 64, KVH, D] and device block tables int32 [L, seqs, pages]."""
+        c = self.config
+        expected = (PAGE_SIZE, c.num_key_value_heads, c.head_dim)
+        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+            if tuple(pool.shape[1:]) != expected or pool.dtype != torch.bfloat16 or not pool.is_contiguous():
+                raise ValueError(f"megakernel: {name} must be contiguous bf16 [pages, {', '.join(map(str, expected))}], "
+                                 f"got {pool.dtype} {list(pool.shape)}")
+        if block_tables.dtype != torch.int32 or block_tables.dim() != 3 or block_tables.shape[0] != c.num_hidden_layers \
+                or block_tables.device != self.device or not block_tables.is_contiguous():
+            raise ValueError(f"megakernel: block_tables must be contiguous int32 [{c.num_hidden_layers}, seqs, pages] "
+                             f"on {self.device}, got {block_tables.dtype} {list(block_tables.shape)}")
+        self._cache = (k_pool, v_pool, block_tables)
+        p = self.params
+        p.k_pool, p.v_pool, p.block_tables = k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr()
+        p.num_pages, p.max_seqs, p.max_pages_per_seq = k_pool.shape[0], block_tables.shape[1], block_tables.shape[2]
+
+    def schedule(self, batch: int, context: int) -> Schedule:
+        """The (cached) task lists for this batch size and longest context."""
+        splits = attention_splits(self.config, batch, self.num_blocks, context)
+        key = (batch, splits, self.wave_order, self.qkv_tiles)
+        if key not in self._schedules:
+            s = build_schedule(self.config, batch, self.num_blocks, splits, self.wave_order, self.qkv_tiles)
+            self._schedules[key] = Schedule(s.tasks.to(self.device), s.task_start.to(self.device), s.num_counters,
+                                            s.num_lm_tasks)
+        return self._schedules[key]
+
+    def set_rows(self, rows: list[RowSpec]) -> None:
+        """Upload the rows' states (stream-ordered copy from pinned memory: the host never waits)."""
+        if not 1 <= len(rows) <= MAX_BATCH:
+            raise ValueError(f"megakernel: batch of {len(rows)} rows, must be 1..{MAX_BATCH}")
+        packed = b"".join(struct.pack(ROW_FORMAT, r.position, r.seq, r.step, r.top_k, r.seed & (2**64 - 1),
+                                      r.temperature, r.top_p, r.min_p, 0.0) for r in rows)
+        turn = self._rows_turn = (self._rows_turn + 1) % len(self._rows_host)
+        self._rows_copied[turn].synchronize()
+        host = self._rows_host[turn]
+        host[:len(packed)].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+        self.rows[:len(packed)].copy_(host[:len(packed)], non_blocking=True)
+        self._rows_copied[turn].record()
+
+    def step(self, rows: list[RowSpec], tokens: torch.Tensor | None = None) -> None:
+        """Launch one decode step for `rows`; row b feeds `tokens[b]` (default: what the last step sampled)."""
+        self.set_rows(rows)
+        if tokens is not None:
+            self.tokens[:len(rows)].copy_(tokens.to(self.device, torch.int32), non_blocking=True)
+        self.launch(self.schedule(len(rows), max(r.position for r in rows)), len(rows))
+
+    def launch(self, schedule: Schedule, batch: int) -> None:
+        """Run a schedule (the decode step's or a test's own task list) on the current stream."""
+        if schedule.tasks.device != self.device:
+            schedule = Schedule(schedule.tasks.to(self.device), schedule.task_start.to(self.device),
+                                schedule.num_counters, schedule.num_lm_tasks)
+        if self.counters.numel() < schedule.num_counters:
+            self.counters = torch.zeros(schedule.num_counters, dtype=torch.int32, device=self.device)
+        p = self.params
+        p.tasks, p.task_start = schedule.tasks.data_ptr(), schedule.task_start.data_ptr()
+        p.num_blocks, p.batch_size = schedule.task_start.numel() - 1, batch
+        p.counters, p.num_counters = self.counters.data_ptr(), schedule.num_counters
+        self._keep = schedule  # alive until the next launch (the kernel reads it asynchronously)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if self.lib.nc_decode_step(ctypes.byref(p), ctypes.c_void_p(stream)) != 0:
+            raise RuntimeError(f"megakernel: {self.lib.nc_last_error().decode()}")
+
+    def profile_step(self, rows: list[RowSpec], tokens: torch.Tensor | None = None) -> dict:
+        """Run one step with per-task timestamps and return summarize_profile's breakdown (synchronises)."""
+        schedule = self.schedule(len(rows), max(r.position for r in rows))
+        times = torch.zeros(schedule.tasks.shape[0], 3, dtype=torch.int64, device=self.device)
+        self.params.profile = times.data_ptr()
+        try:
+            self.step(rows, tokens)
+            self.check()
+        finally:
+            self.params.profile = 0
+        return summarize_profile(schedule.tasks.cpu(), schedule.task_start.cpu(), times.cpu())
+
+    def check(self) -> None:
+        """Synchronise and raise RuntimeError if the last step failed on the device (then reset the status)."""
+        status = self.io[MAX_BATCH:].tolist()
+        if status[0] != 0:
+            self.io[MAX_BATCH:].zero_()
+            message = STATUS_MESSAGES.get(status[0], "unknown failure {0} {1}").format(status[1], status[2])
+            raise RuntimeError(f"megakernel: step failed: {message}")
+
+
+# --- the engine's decode backend ---
+
+
+class MegakernelBackend:
+    """backend.py's ModelBackend: decode in the megakernel (batches of up to 8 rows per launch), prefill
+    in a TorchBackend that shares the KV pools and the device block tables. Samples on the device when
+    asked (no penalties, no logprobs); otherwise returns logits for the engine's Sampler."""
+
+    name = "megakernel"
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], num_pages: int, page_size: int,
+                 max_batch: int, max_pages_per_seq: int, cuda_graphs: bool = True) -> None:
+        from northcode.engine.torch_backend import TorchBackend
+
+        reason = unsupported_reason(config)
+        if page_size != PAGE_SIZE:
+            reason = f"page_size {page_size} (the kernel's pages hold {PAGE_SIZE} tokens)"
+        elif not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            reason = "it needs a Hopper GPU (sm_90)"
+        if reason:
+            raise ValueError(f"engine setting backend = 'megakernel': {reason}")
+        self.prefiller = TorchBackend(config, weights, num_pages, page_size, max_batch, max_pages_per_seq,
+                                      cuda_graphs=False)
+        self.k_pool, self.v_pool = self.prefiller.k_pool, self.prefiller.v_pool
+        self.kernel = Megakernel(config, weights, self.k_pool, self.v_pool, self.prefiller.tables)
+
+    def can_sample(self, params) -> bool:
+        return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
+                and params.logprobs is None)
+
+    def prefill(self, batch):
+        return self.prefiller.prefill(batch)
+
+    def decode(self, batch):
+        from northcode.engine.backend import DecodeResult
+
+        self.prefiller._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
+        tokens: list[int] = []
+        logits: list[torch.Tensor] = []
+        for start in range(0, len(batch.rows), MAX_BATCH):
+            part = range(start, min(start + MAX_BATCH, len(batch.rows)))
+            self.kernel.step([self._row(batch, b) for b in part], torch.tensor([batch.token_ids[b] for b in part]))
+            self.kernel.check()
+            if batch.return_logits:
+                logits.append(self.kernel.logits[:len(part)].clone())
+            if batch.sample:
+                tokens += self.kernel.tokens[:len(part)].tolist()
+        return DecodeResult(tokens if batch.sample else None, torch.cat(logits) if batch.return_logits else None)
+
+    @staticmethod
+    def _row(batch, b: int) -> RowSpec:
+        if not batch.sample:
+            return RowSpec(position=batch.positions[b], seq=batch.rows[b])
+        row = batch.sampling[b]
+        params = row.params
+        return RowSpec(position=batch.positions[b], seq=batch.rows[b], step=len(row.output_ids), seed=row.seed,
+                       temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
+                       top_p=params.top_p, min_p=params.min_p)

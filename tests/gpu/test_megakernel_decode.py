@@ -1,0 +1,219 @@
+"""Whole decode steps of the megakernel against model.py's NorthModel (the oracle) on synthetic paged
+caches: tiny and full geometry, batch 1/2/4/8 with ragged lengths, sliding-window crossings, a 32K
+context. Teacher-forced: both are fed the reference's greedy tokens, and after each step the oracle's
+new K/V are copied into the kernel's pages, so every step is checked from the same state.
+
+Routing: where the reference's router has a near-tie (gap between its k-th and (k+1)-th logit below
+ROUTER_GAP_TOL, a few bf16 steps of the logits) either choice is right; there the oracle follows the
+kernel's choice (kernel.routed), everywhere else the kernel must choose the reference's experts.
+Tolerance (fp32 accumulation in the kernel, bf16 rounding of every op in the reference): per row and
+step, cosine(logits) >= COSINE_MIN, max |difference| <= MAX_ABS (logits have std ~3), and the same
+argmax wherever the reference's top-2 gap exceeds 2 * MAX_ABS. NC_TEST_STEPS shortens the full runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+TINY_VOCAB = 1003  # not a multiple of 32: exercises the LM head's last, partial tile
+STEPS = 256
+FULL_STEPS = int(os.environ.get("NC_TEST_STEPS", "256"))
+COSINE_MIN = 0.999
+MAX_ABS = 0.35
+ROUTER_GAP_TOL = 0.05
+
+
+def report(record: dict) -> None:
+    """Append a figure to $NC_REPORT (JSON lines) for docs/performance.md; print it as well."""
+    print(json.dumps(record))
+    path = os.environ.get("NC_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+@functools.cache
+def model_and_weights(preset: str):
+    from northcode.engine.model import NorthModel
+    from northcode.engine.synthetic import preset_config, random_weights
+
+    config = preset_config(preset, TINY_VOCAB if preset == "tiny" else None)
+    weights = random_weights(config, device="cuda", dtype=torch.bfloat16, seed=0)
+    return config, weights, NorthModel(config, weights)
+
+
+def setup(preset: str, lengths: list[int], steps: int, seed: int):
+    from northcode.bench.decode_setup import contiguous_caches, paged_cache
+    from northcode.engine.megakernel import Megakernel
+
+    config, weights, model = model_and_weights(preset)
+    cache = paged_cache(config, lengths, steps, "cuda", seed=seed)
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0)
+    return config, model, kernel, contiguous_caches(model, cache, steps)
+
+
+def rows_at(lengths: list[int], step: int):
+    from northcode.engine.megakernel import RowSpec
+
+    return [RowSpec(position=length + step, seq=b) for b, length in enumerate(lengths)]
+
+
+class FollowKernelRouting:
+    """Replaces model.route while active: the reference picks the kernel's experts (`routed`, int
+    [L, 8, k]) of row `row` where its own top-k boundary is a near-tie, and records a mismatch
+    where it is not. Sparse layers are counted in call order within one row's decode."""
+
+    def __init__(self, config) -> None:
+        self.config, self.row, self.calls, self.routed = config, 0, 0, None
+        self.sparse = [i for i in range(config.num_hidden_layers) if not config.is_dense(i)]
+        self.mismatches: list[tuple] = []
+        self.near_ties = 0
+
+    def start_row(self, row: int, routed: torch.Tensor) -> None:
+        self.row, self.calls, self.routed = row, 0, routed
+
+    def route(self, h: torch.Tensor, router: torch.Tensor, config):
+        layer = self.sparse[self.calls]
+        self.calls += 1
+        k = config.num_experts_per_tok
+        logits = F.linear(h, router)  # [1, E] in the model dtype, as model.route
+        top = torch.topk(logits.float(), k + 1, dim=-1)
+        ids = top.indices[:, :k]
+        mine = self.routed[layer, self.row].to(ids.device).long()[None]
+        if set(mine[0].tolist()) != set(ids[0].tolist()):
+            if float(top.values[0, k - 1] - top.values[0, k]) < ROUTER_GAP_TOL:
+                self.near_ties += 1
+                ids = mine
+            else:
+                self.mismatches.append((layer, self.row, ids[0].tolist(), mine[0].tolist()))
+        chosen = logits.gather(-1, ids)
+        if config.expert_selection_fn == "softmax":
+            weights = torch.softmax(chosen, dim=-1, dtype=torch.float32)
+        else:
+            weights = torch.sigmoid(chosen)
+            if config.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(h.dtype), ids
+
+    @contextlib.contextmanager
+    def active(self):
+        from northcode.engine import model
+
+        original = model.route
+        model.route = self.route
+        try:
+            yield self
+        finally:
+            model.route = original
+
+
+def reference_step(model, caches, tokens: list[int], follower: FollowKernelRouting | None, kernel) -> torch.Tensor:
+    """The oracle's logits [B, V] for one step (following the kernel's near-tie routing when given)."""
+    if follower is None:
+        return torch.stack([model.decode(t, c) for t, c in zip(tokens, caches)]).float()
+    routed = kernel.routed.cpu()
+    out = []
+    with follower.active():
+        for b, (token, cache) in enumerate(zip(tokens, caches)):
+            follower.start_row(b, routed)
+            out.append(model.decode(token, cache))
+    return torch.stack(out).float()
+
+
+def copy_oracle_kv(kernel, caches, positions: list[int]) -> None:
+    """Overwrite what the kernel appended with the oracle's K/V (same state for the next step)."""
+    k_pool, v_pool, tables = kernel._cache
+    for layer in range(kernel.config.num_hidden_layers):
+        for b, pos in enumerate(positions):
+            page = int(tables[layer, b, pos // 64])
+            k_pool[page, pos % 64] = caches[b].keys[layer][0, pos]
+            v_pool[page, pos % 64] = caches[b].values[layer][0, pos]
+
+
+def teacher_forced(preset: str, lengths: list[int], steps: int) -> dict:
+    config, model, kernel, caches = setup(preset, lengths, steps, seed=len(lengths))
+    batch = len(lengths)
+    follower = FollowKernelRouting(config)
+    tokens = torch.randint(0, config.vocab_size, (batch,), generator=torch.Generator().manual_seed(1)).tolist()
+    worst_cos, worst_abs, clear_gaps, argmax_agree = 1.0, 0.0, 0, 0
+    failures = []  # (step, cosine per row, max |diff| per row) outside the tolerance
+    for step in range(steps):
+        kernel.step(rows_at(lengths, step), torch.tensor(tokens))
+        kernel.check()
+        ref = reference_step(model, caches, tokens, follower, kernel)
+        got = kernel.logits[:batch]
+        cos = F.cosine_similarity(got, ref, dim=-1)
+        diff = (got - ref).abs().amax(dim=-1)
+        worst_cos, worst_abs = min(worst_cos, cos.min().item()), max(worst_abs, diff.max().item())
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * MAX_ABS
+        same = got.argmax(-1) == ref.argmax(-1)
+        if cos.min().item() < COSINE_MIN or diff.max().item() > MAX_ABS or not bool(same[clear].all()):
+            failures.append((step, [round(c, 4) for c in cos.tolist()], [round(d, 3) for d in diff.tolist()]))
+        clear_gaps += int(clear.sum())
+        argmax_agree += int(same.sum())
+        assert kernel.tokens[:batch].tolist() == got.argmax(-1).tolist(), "greedy sampling != argmax of logits"
+        copy_oracle_kv(kernel, caches, [length + step for length in lengths])
+        tokens = ref.argmax(-1).tolist()
+    figures = dict(test="teacher_forced", preset=preset, lengths=lengths, steps=steps, min_cosine=round(worst_cos, 5),
+                   max_abs_diff=round(worst_abs, 4), argmax_agree=argmax_agree, argmax_total=steps * batch,
+                   argmax_clear_gaps=clear_gaps, router_near_ties_followed=follower.near_ties,
+                   router_mismatches=len(follower.mismatches), failing_steps=len(failures))
+    report(figures)
+    assert not follower.mismatches, f"experts differ where the router's gap is clear: {follower.mismatches[:4]}"
+    assert not failures, f"{len(failures)} of {steps} steps outside the tolerance, first: {failures[:4]}"
+    return figures
+
+
+TINY_LENGTHS = [5, 30, 64, 100, 17, 200, 31, 63]  # window 32: every row crosses it while decoding
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+def test_tiny_teacher_forced(batch: int) -> None:
+    teacher_forced("tiny", TINY_LENGTHS[:batch], STEPS)
+
+
+FULL_LENGTHS = [4090, 100, 8000, 1000, 64, 3000, 4095, 2000]  # rows 0 and 6 cross the 4096 window
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+def test_full_teacher_forced(batch: int) -> None:
+    teacher_forced("north-mini-code", FULL_LENGTHS[:batch], FULL_STEPS)
+
+
+def test_full_32k_context() -> None:
+    teacher_forced("north-mini-code", [32768 - 7], min(FULL_STEPS, 64))
+
+
+@pytest.mark.parametrize("preset,batch", [("tiny", 4), ("north-mini-code", 1)])
+def test_free_running_greedy_agreement(preset: str, batch: int) -> None:
+    """Both decode greedily on their own (no routing help, no KV copy); the figure is the number of
+    steps before each row's first divergence (random weights make near-ties common)."""
+    lengths = (TINY_LENGTHS if preset == "tiny" else FULL_LENGTHS)[:batch]
+    steps = STEPS if preset == "tiny" else FULL_STEPS
+    config, model, kernel, caches = setup(preset, lengths, steps, seed=7)
+    ref_tokens = kernel_tokens = [3] * batch
+    agree = [None] * batch
+    kernel.step(rows_at(lengths, 0), torch.tensor(kernel_tokens))
+    for step in range(steps):
+        ref_tokens = reference_step(model, caches, ref_tokens, None, kernel).argmax(-1).tolist()
+        kernel.check()
+        kernel_tokens = kernel.tokens[:batch].tolist()
+        for b in range(batch):
+            if agree[b] is None and ref_tokens[b] != kernel_tokens[b]:
+                agree[b] = step
+        if all(a is not None for a in agree):
+            break
+        if step + 1 < steps:
+            kernel.step(rows_at(lengths, step + 1))  # feeds what it sampled, read on the device
+    agree = [steps if a is None else a for a in agree]
+    report(dict(test="free_running", preset=preset, lengths=lengths, steps=steps, agreeing_steps=agree))

@@ -1,0 +1,197 @@
+"""Every megakernel task type against its PyTorch reference (model.py's building blocks) on the tiny
+geometry: each test launches a small hand-built task list (counters only where tasks depend on each
+other) on fresh random inputs and compares the outputs. Products use bf16 operands with fp32
+accumulation, so they must match an fp32 reference on the same bf16 inputs to a relative error
+||got - ref|| / ||ref|| below REL_TOL."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL = 1e-2
+LENGTHS = [40, 100, 7, 64, 65, 1, 130, 33]  # positions of the 8 rows: page edges, one-token rows
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.float(), ref.float()
+    assert torch.isfinite(got).all(), "non-finite output"
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+@functools.cache
+def env():
+    from northcode.bench.decode_setup import paged_cache
+    from northcode.engine.megakernel import Megakernel, RowSpec
+    from northcode.engine.model import NorthModel
+    from northcode.engine.synthetic import preset_config, random_weights
+
+    config = preset_config("tiny", 1003)
+    weights = random_weights(config, device="cuda", dtype=torch.bfloat16, seed=3)
+    cache = paged_cache(config, LENGTHS, 4, "cuda", seed=5)
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0)
+    kernel.set_rows([RowSpec(position=length, seq=b) for b, length in enumerate(LENGTHS)])
+    return config, weights, NorthModel(config, weights), cache, kernel
+
+
+def run(kernel, waves: list, batch: int = 8, num_counters: int = 8, num_lm: int = 0) -> None:
+    from northcode.engine.megakernel import flatten, place_waves
+
+    kernel.launch(flatten(place_waves(waves, kernel.num_blocks), num_counters, num_lm), batch)
+    kernel.check()
+
+
+def randn_bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+
+def test_norm_embeds_rounds_and_normalises() -> None:
+    from northcode.engine.megakernel import TaskType, make_task
+    from northcode.engine.model import norm
+
+    config, weights, model, cache, kernel = env()
+    tokens = torch.randint(0, config.vocab_size, (8,), device="cuda", dtype=torch.int32)
+    kernel.tokens.copy_(tokens)
+    run(kernel, [[make_task(TaskType.NORM, 0, (b,)) for b in range(8)]])
+    embedded = weights["model.embed_tokens.weight"][tokens.long()]
+    assert torch.equal(kernel.x, embedded.float())
+    ref = norm(embedded, model.layers[0].input_norm, config)
+    assert rel_err(kernel.h, ref) < REL_TOL
+    for layer, weight in ((1, model.layers[1].input_norm), (config.num_hidden_layers, model.final_norm)):
+        x = torch.randn(8, config.hidden_size, device="cuda") * 3
+        kernel.x.copy_(x)
+        run(kernel, [[make_task(TaskType.NORM, layer, (b,)) for b in range(8)]])
+        assert torch.equal(kernel.x, x.to(torch.bfloat16).float()), "the residual is rounded to bf16"
+        assert rel_err(kernel.h, norm(x.to(torch.bfloat16), weight, config)) < REL_TOL
+
+
+@pytest.mark.parametrize("layer,tiles_per_task", [(1, 1), (4, 1), (1, 2), (4, 3)])  # sliding+RoPE; full, NoPE
+def test_qkv_rope_and_kv_write(layer: int, tiles_per_task: int) -> None:
+    from northcode.engine.megakernel import TaskType, make_task
+    from northcode.engine.model import apply_rope, project_qkv, rope_cos_sin
+
+    config, weights, model, cache, kernel = env()
+    h = randn_bf16(8, config.hidden_size)
+    kernel.h.copy_(h)
+    tiles = (config.q_size + 2 * config.kv_size) // 16
+    run(kernel, [[make_task(TaskType.QKV, layer, (t, min(tiles_per_task, tiles - t), int(config.uses_rope(layer))))
+                  for t in range(0, tiles, tiles_per_task)]])
+    q, k, v = project_qkv(h, model.layers[layer], config)  # [8, heads, D]
+    if config.uses_rope(layer):
+        cos, sin = rope_cos_sin(torch.tensor(LENGTHS, device="cuda"), model.inv_freq, torch.bfloat16)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert rel_err(kernel.q.view_as(q), q) < REL_TOL
+    for b, pos in enumerate(LENGTHS):
+        page = int(cache.block_tables[layer, b, pos // 64])
+        assert rel_err(cache.k_pool[page, pos % 64], k[b]) < REL_TOL
+        assert rel_err(cache.v_pool[page, pos % 64], v[b]) < REL_TOL
+
+
+@pytest.mark.parametrize("layer,splits", [(1, 3), (4, 1), (4, 4)])
+def test_split_attention_and_combine(layer: int, splits: int) -> None:
+    from northcode.engine.megakernel import TaskType, make_task
+    from northcode.engine.model import attention
+
+    config, weights, model, cache, kernel = env()
+    kvh, window = config.num_key_value_heads, config.window(layer) or 0
+    q = randn_bf16(8, config.num_attention_heads, config.head_dim)
+    kernel.q.copy_(q.view(8, -1))
+    attn = [make_task(TaskType.ATTN, layer, (b, g, s, splits, window), (), b * kvh + g)
+            for b in range(8) for g in range(kvh) for s in range(splits)]
+    combine = [make_task(TaskType.COMBINE, layer, (b, g, splits), ((b * kvh + g, splits),))
+               for b in range(8) for g in range(kvh)]
+    run(kernel, [attn, combine], num_counters=8 * kvh)
+    for b, pos in enumerate(LENGTHS):
+        first = max(0, pos - window + 1) if window else 0
+        positions = torch.arange(first, pos + 1, device="cuda")
+        pages = cache.block_tables[layer, b, positions // 64].long()
+        k = cache.k_pool[pages, positions % 64][None]  # [1, S, KVH, D]
+        v = cache.v_pool[pages, positions % 64][None]
+        ref = attention(q[b][None, None], k, v, positions[-1:], positions, config.window(layer))[0, 0]
+        assert rel_err(kernel.attn_out[b], ref) < REL_TOL, f"row {b} (position {pos})"
+
+
+def test_oproj_adds_into_the_residual() -> None:
+    from northcode.engine.megakernel import TaskType, make_task
+
+    config, weights, model, cache, kernel = env()
+    attn_out, x = randn_bf16(8, config.q_size), torch.randn(8, config.hidden_size, device="cuda")
+    kernel.attn_out.copy_(attn_out)
+    kernel.x.copy_(x)
+    run(kernel, [[make_task(TaskType.OPROJ, 2, (t, 1)) for t in range(config.hidden_size // 16)]])
+    ref = F.linear(attn_out.float(), model.layers[2].o_proj.float())
+    assert rel_err(kernel.x - x, ref) < REL_TOL
+
+
+def test_router_topk_and_routed_experts() -> None:
+    from northcode.engine.megakernel import TaskType, make_task
+    from northcode.engine.model import route, run_experts
+
+    config, weights, model, cache, kernel = env()
+    layer, blocks = 3, kernel.num_blocks
+    h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
+    kernel.h.copy_(h)
+    kernel.x.copy_(x)
+    router_tiles = -(-config.num_experts // 16)
+    # counters: 0 router done, 1 topk done, 2 up head, 3 down head, 4.. slot done
+    waves = [[make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)],
+             [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
+             ("each", make_task(TaskType.MOE_UP, layer, (2, 4), ((1, 1),))),
+             ("each", make_task(TaskType.MOE_DOWN, layer, (3, 4), ((1, 1),)))]
+    run(kernel, waves, num_counters=4 + config.num_experts)
+    lw = model.layers[layer]
+    logits = F.linear(h, lw.router).float()
+    assert rel_err(kernel.router_logits, logits) < REL_TOL
+    weights_ref, experts_ref = route(h, lw.router, config)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    gap = sorted_logits[:, config.num_experts_per_tok - 1] - sorted_logits[:, config.num_experts_per_tok]
+    used = sorted(set(experts_ref.flatten().tolist()))
+    num_slots = int(kernel.moe_slots[0])
+    slots = kernel.moe_slots[1:1 + num_slots].tolist()
+    if bool((gap > 0.05).all()):  # the selection is well defined: it must be the same
+        assert slots == used
+        for b in range(8):
+            for k in range(config.num_experts_per_tok):
+                slot = slots.index(int(experts_ref[b, k]))
+                assert abs(float(kernel.slot_weight[slot, b]) - float(weights_ref[b, k])) < 1e-2
+        ref = run_experts(h, lw.experts_gate_up, lw.experts_down, experts_ref, weights_ref)
+        assert rel_err(kernel.x - x, ref) < 2 * REL_TOL
+    assert int(kernel.expert_counts[layer]) == num_slots
+    assert slots == sorted(slots) and len(set(slots)) == num_slots
+
+
+def test_dense_mlp() -> None:
+    from northcode.engine.megakernel import TaskType, make_task
+    from northcode.engine.model import swiglu
+
+    config, weights, model, cache, kernel = env()
+    h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
+    kernel.h.copy_(h)
+    kernel.x.copy_(x)
+    up_tiles = config.dense_intermediate_size // 16
+    waves = [[make_task(TaskType.DENSE_UP, 0, (t, 1), (), 0) for t in range(up_tiles)],
+             [make_task(TaskType.DENSE_DOWN, 0, (t, 1), ((0, up_tiles),)) for t in range(config.hidden_size // 32)]]
+    run(kernel, waves)
+    lw = model.layers[0]
+    assert rel_err(kernel.x - x, swiglu(h, lw.gate_proj, lw.up_proj, lw.down_proj)) < 2 * REL_TOL
+
+
+def test_lm_head_and_greedy_sample() -> None:
+    from northcode.engine.megakernel import RowSpec, TaskType, make_task
+
+    config, weights, model, cache, kernel = env()
+    h = randn_bf16(8, config.hidden_size)
+    kernel.h.copy_(h)
+    tiles = -(-config.vocab_size // 32)
+    lm = [make_task(TaskType.LM_HEAD, 0, (t, 1, t), (), 0) for t in range(tiles)]
+    sample = [make_task(TaskType.SAMPLE, 0, (b, tiles), ((0, tiles),)) for b in range(8)]
+    run(kernel, [lm, sample], num_lm=tiles)
+    ref = F.linear(h.float(), model.lm_head.float()) * config.logit_scale
+    assert rel_err(kernel.logits, ref) < REL_TOL
+    assert kernel.tokens.tolist() == kernel.logits.argmax(-1).tolist()
+    kernel.set_rows([RowSpec(position=length, seq=b) for b, length in enumerate(LENGTHS)])
