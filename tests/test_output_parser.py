@@ -13,7 +13,7 @@ import json
 import pytest
 
 from northcode.engine.tokenizer import Tokenizer
-from northcode.server.action_scanner import ActionScanner
+from northcode.server.action_scanner import ActionScanner, ArgumentsText, CallEnd, CallName, Rejected
 from northcode.server.markers import Markers
 from northcode.server.output_parser import OutputParser
 from northcode.server.text_guard import TextGuard
@@ -57,14 +57,32 @@ def run(tok, markers, ids, one_by_one=True, **kwargs):
 
 
 def merged(deltas: list[dict]) -> list[dict]:
-    """Join consecutive text deltas of the same kind (token-by-token streaming splits them)."""
+    """Join consecutive text deltas of the same kind, and consecutive argument fragments of the
+    same call (token-by-token streaming splits both); a call's first delta is never merged."""
     out = []
     for d in deltas:
         if out and "tool_calls" not in d and out[-1].keys() == d.keys():
             out[-1] = {k: out[-1][k] + d[k] for k in d}
+        elif out and is_fragment(d) and is_fragment(out[-1]) and d["tool_calls"][0]["index"] == out[-1]["tool_calls"][0]["index"]:
+            text = out[-1]["tool_calls"][0]["function"]["arguments"] + d["tool_calls"][0]["function"]["arguments"]
+            out[-1] = {"tool_calls": [{"index": d["tool_calls"][0]["index"], "function": {"arguments": text}}]}
         else:
             out.append(dict(d))
     return out
+
+
+def is_fragment(delta: dict) -> bool:
+    """An arguments-only tool-call delta: exactly {"index", "function": {"arguments"}}."""
+    calls = delta.get("tool_calls")
+    return calls is not None and calls[0].keys() == {"index", "function"} and calls[0]["function"].keys() == {"arguments"}
+
+
+def head(index: int, name: str) -> dict:
+    return {"tool_calls": [{"index": index, "id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": ""}}]}
+
+
+def fragment(index: int, text: str) -> dict:
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
 
 def test_thinking_then_text(tok, markers):
@@ -101,11 +119,47 @@ def test_one_tool_call(tok, markers):
         parser, deltas = run(tok, markers, ids, one_by_one)
         assert merged(deltas) == [
             {"reasoning_content": "I should read it.", "reasoning": "I should read it."},
-            {"tool_calls": [{"index": 0, "id": "call_0", "type": "function", "function": {"name": "read", "arguments": ""}}]},
-            {"tool_calls": [{"index": 0, "function": {"arguments": '{"path": "README.md"}'}}]},
+            head(0, "read"),
+            fragment(0, '{"path": "README.md"}'),
         ]
         assert parser.tool_calls == [{"id": "call_0", "type": "function", "function": {"name": "read", "arguments": '{"path": "README.md"}'}}]
-        assert parser.content == ""
+        assert parser.content == "" and parser.broken_calls == 0
+
+
+def test_arguments_stream_as_their_tokens_arrive(tok, markers):
+    """The exact chunks: the name goes out when its string closes, then each group of tokens
+    inside the parameters object gives one fragment holding exactly its text (the wrapper's
+    keys, closing brace and bracket never do)."""
+    parser = make_parser(tok, markers, start_in_reasoning=False)
+    steps = [
+        (seq(tok, "START_ACTION", '[\n    {"tool_call_id": "0", "tool_name": "re'), []),
+        (tok.encode('ad"'), [head(0, "read")]),
+        (tok.encode(', "parameters": '), []),
+        (tok.encode('{"path": "src/'), [fragment(0, '{"path": "src/')]),
+        (tok.encode('main.py", "limit": 20'), [fragment(0, 'main.py", "limit": 20')]),
+        (tok.encode('}}'), [fragment(0, "}")]),
+        (tok.encode(",\n    "), []),
+        (tok.encode('{"tool_call_id": "1", "tool_name": "bash", "parameters": {"command": "ls"}}'),
+         [head(1, "bash"), fragment(1, '{"command": "ls"}')]),
+        (seq(tok, "\n]", "END_ACTION", "END_OF_TURN_TOKEN"), []),
+    ]
+    for ids, expected in steps:
+        assert parser.feed(ids) == expected
+    assert parser.finish() == []
+    assert [c["function"] for c in parser.tool_calls] == [
+        {"name": "read", "arguments": '{"path": "src/main.py", "limit": 20}'}, {"name": "bash", "arguments": '{"command": "ls"}'}]
+
+
+def test_token_by_token_fragments_join_to_the_parameters_json(tok, markers):
+    params = '{"path": "a b/ü.py", "content": "x = {\\"k\\": [1, 2]}\\n", "n": -1.5e3, "ok": true, "none": null}'
+    action = '[{"tool_call_id": "0", "tool_name": "write", "parameters": ' + params + "}]"
+    ids = seq(tok, "END_THINKING", "START_ACTION", action, "END_ACTION")
+    parser, deltas = run(tok, markers, ids)
+    tool_deltas = [d for d in deltas if "tool_calls" in d]
+    assert tool_deltas[0] == head(0, "write")
+    fragments = [d["tool_calls"][0]["function"]["arguments"] for d in tool_deltas[1:]]
+    assert all(is_fragment(d) for d in tool_deltas[1:]) and len(fragments) > 5 and all(fragments)
+    assert "".join(fragments) == params and json.loads(params)["content"] == 'x = {"k": [1, 2]}\n'
 
 
 def test_several_tool_calls_get_distinct_indices_and_ids(tok, markers):
@@ -113,21 +167,34 @@ def test_several_tool_calls_get_distinct_indices_and_ids(tok, markers):
               '    {"tool_call_id": "2", "tool_name": "bash", "parameters": {"command": "ls -la", "timeout": 5}}\n]')
     ids = seq(tok, "Need more.", "END_THINKING", "START_ACTION", action, "END_ACTION", "END_OF_TURN_TOKEN")
     parser, deltas = run(tok, markers, ids)
-    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-    assert calls == [
-        {"index": 0, "id": "call_0", "type": "function", "function": {"name": "read", "arguments": ""}},
-        {"index": 0, "function": {"arguments": '{"path": "a.md"}'}},
-        {"index": 1, "id": "call_1", "type": "function", "function": {"name": "bash", "arguments": ""}},
-        {"index": 1, "function": {"arguments": '{"command": "ls -la", "timeout": 5}'}},
+    assert [d for d in merged(deltas) if "tool_calls" in d] == [
+        head(0, "read"), fragment(0, '{"path": "a.md"}'),
+        head(1, "bash"), fragment(1, '{"command": "ls -la", "timeout": 5}'),
     ]
     assert [json.loads(c["function"]["arguments"]) for c in parser.tool_calls] == [{"path": "a.md"}, {"command": "ls -la", "timeout": 5}]
 
 
-def test_parallel_tool_calls_false_keeps_the_first(tok, markers):
-    action = '[{"tool_name": "a", "parameters": {}}, {"tool_name": "b", "parameters": {}}]'
+def test_name_after_parameters_and_other_argument_forms(tok, markers):
+    # Keys in another order: the call is announced when the name arrives, with the arguments at once.
+    # A call without parameters gets "{}"; double-encoded parameters are decoded once.
+    action = ('[{"parameters": {"q": "x"}, "tool_name": "search"}, {"tool_name": "list"}, '
+              '{"tool_name": "read", "arguments": "{\\"path\\": \\"a\\"}"}]')
     ids = seq(tok, "END_THINKING", "START_ACTION", action, "END_ACTION")
-    parser, _ = run(tok, markers, ids, parallel_tool_calls=False)
+    for one_by_one in (True, False):
+        parser, deltas = run(tok, markers, ids, one_by_one)
+        assert [d for d in merged(deltas) if "tool_calls" in d] == [
+            head(0, "search"), fragment(0, '{"q": "x"}'), head(1, "list"), fragment(1, "{}"),
+            head(2, "read"), fragment(2, '{"path": "a"}'),
+        ]
+        assert parser.broken_calls == 0 and parser.content == ""
+
+
+def test_parallel_tool_calls_false_keeps_the_first(tok, markers):
+    action = '[{"tool_name": "a", "parameters": {}}, {"tool_name": "b", "parameters": {"x": 1}}]'
+    ids = seq(tok, "END_THINKING", "START_ACTION", action, "END_ACTION")
+    parser, deltas = run(tok, markers, ids, parallel_tool_calls=False)
     assert [c["function"]["name"] for c in parser.tool_calls] == ["a"]
+    assert [d for d in merged(deltas) if "tool_calls" in d] == [head(0, "a"), fragment(0, "{}")]
     assert parser.dropped_calls == 1
 
 
@@ -135,29 +202,44 @@ def test_text_then_action_and_bare_object(tok, markers):
     ids = seq(tok, "END_THINKING", "START_TEXT", "Reading.", "END_TEXT", "START_ACTION",
               '{"tool_call_id": "0", "tool_name": "read", "parameters": {"path": "x"}}', "END_ACTION")
     parser, deltas = run(tok, markers, ids)
+    assert merged(deltas) == [{"content": "Reading."}, head(0, "read"), fragment(0, '{"path": "x"}')]
     assert parser.content == "Reading."
     assert parser.tool_calls[0]["function"] == {"name": "read", "arguments": '{"path": "x"}'}
 
 
-def test_cut_off_action_becomes_content_not_a_call(tok, markers):
+def test_cut_off_after_the_name_keeps_the_partial_arguments(tok, markers):
+    # max_tokens hits inside the arguments: the announced call keeps what the model wrote (the
+    # server's finish_reason is then "length", as OpenAI's); nothing is moved to content.
     action = '[\n    {"tool_call_id": "0", "tool_name": "write", "parameters": {"path": "a.py", "content": "print('
-    ids = seq(tok, "plan", "END_THINKING", "START_ACTION", action)  # max_tokens hit here: no END_ACTION
-    parser, deltas = run(tok, markers, ids)
-    assert parser.tool_calls == []
-    assert not any("tool_calls" in d for d in deltas)
+    ids = seq(tok, "plan", "END_THINKING", "START_ACTION", action)  # no END_ACTION
+    for one_by_one in (True, False):
+        parser, deltas = run(tok, markers, ids, one_by_one)
+        assert [d for d in merged(deltas) if "tool_calls" in d] == [head(0, "write"), fragment(0, '{"path": "a.py", "content": "print(')]
+        assert parser.tool_calls[0]["function"]["arguments"] == '{"path": "a.py", "content": "print('
+        assert parser.broken_calls == 1 and parser.content == ""
+
+
+def test_cut_off_before_the_name_is_content(tok, markers):
+    action = '[\n    {"tool_call_id": "0", "tool_na'
+    parser, deltas = run(tok, markers, seq(tok, "plan", "END_THINKING", "START_ACTION", action))
+    assert parser.tool_calls == [] and not any("tool_calls" in d for d in deltas)
     assert parser.content == action[action.index("{"):]  # nothing lost, nothing invented
 
 
-def test_malformed_action_json_is_kept_as_content(tok, markers):
+def test_malformed_action_json(tok, markers):
+    # An announced call with malformed arguments keeps the model's text (the client's JSON check
+    # reports it); an object that names no tool is not a call and is shown as content.
     good = '{"tool_name": "read", "parameters": {"path": "ok"}}'
     bad = '{"tool_name": "read", "parameters": {"path": "oops",}}'
-    ids = seq(tok, "END_THINKING", "START_ACTION", f"[{good}, {bad}]", "END_ACTION", "END_OF_TURN_TOKEN")
+    nameless = '{"tool": "read", "parameters": {}}'
+    ids = seq(tok, "END_THINKING", "START_ACTION", f"[{good}, {bad}, {nameless}]", "END_ACTION", "END_OF_TURN_TOKEN")
     parser, deltas = run(tok, markers, ids)
-    assert [c["function"]["arguments"] for c in parser.tool_calls] == ['{"path": "ok"}']
-    assert parser.content == bad
+    assert [d for d in merged(deltas) if "tool_calls" in d] == [
+        head(0, "read"), fragment(0, '{"path": "ok"}'), head(1, "read"), fragment(1, '{"path": "oops",}')]
+    assert parser.broken_calls == 1 and parser.content == nameless
     non_object = seq(tok, "END_THINKING", "START_ACTION", '[{"tool_name": "x", "parameters": "not an object"}]', "END_ACTION")
     parser, _ = run(tok, markers, non_object)
-    assert parser.tool_calls == [] and parser.content == '{"tool_name": "x", "parameters": "not an object"}'
+    assert parser.tool_calls[0]["function"] == {"name": "x", "arguments": '"not an object"'} and parser.broken_calls == 1
 
 
 def test_marker_text_inside_arguments(tok, markers):
@@ -211,12 +293,18 @@ def test_tools_disabled_shows_action_as_text(tok, markers):
 
 def test_action_scanner_handles_escapes_and_nesting():
     scanner = ActionScanner()
-    text = '[{"tool_name": "t", "parameters": {"s": "q\\"}]{", "n": [1, {"a": 2}]}}]'
-    calls = []
+    params = '{"s": "q\\"}]{", "n": [1, {"a": 2}]}'
+    text = '[{"tool_name": "t", "parameters": ' + params + '}] stray'
+    events = []
     for ch in text:  # one character at a time
-        calls += scanner.push(ch).calls
-    assert len(calls) == 1 and json.loads(calls[0].arguments) == {"s": 'q"}]{', "n": [1, {"a": 2}]}
-    assert scanner.finish() == ""
+        events += scanner.push(ch)
+    events += scanner.finish()
+    assert events[0] == CallName(0, "t")
+    arguments = [e.text for e in events if isinstance(e, ArgumentsText)]
+    assert "".join(arguments) == params and json.loads(params) == {"s": 'q"}]{', "n": [1, {"a": 2}]}
+    end = next(e for e in events if isinstance(e, CallEnd))
+    assert end.valid and end.complete and end.raw == text[1:text.index("] stray")]
+    assert "".join(e.text for e in events if isinstance(e, Rejected)) == "stray"
 
 
 def test_text_guard_drops_markers_and_cuts_stop():
@@ -230,6 +318,9 @@ def test_text_guard_drops_markers_and_cuts_stop():
 def test_forced_call_prefix_is_completed_by_the_model(tok, markers):
     prefix = '[\n    {"tool_call_id": "0", "tool_name": "read", "parameters": '
     ids = seq(tok, '{"path": "a.md"}}\n]', "END_ACTION", "END_OF_TURN_TOKEN")
-    parser, deltas = run(tok, markers, ids, start_in_reasoning=False, action_prefix=prefix)
+    parser = make_parser(tok, markers, start_in_reasoning=False, action_prefix=prefix)
+    assert parser.feed(ids[:1]) == [head(0, "read"), fragment(0, tok.decode(ids[:1]))]  # announced with the first token
+    parser.feed(ids[1:])
+    parser.finish()
     assert parser.tool_calls == [{"id": "call_0", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.md"}'}}]
-    assert parser.content == "" and deltas[0]["tool_calls"][0]["function"]["name"] == "read"
+    assert parser.content == ""

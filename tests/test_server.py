@@ -105,7 +105,9 @@ def test_streamed_tool_call_chunks(tiny_checkpoint, tok):
     calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"] == {"name": "read", "arguments": ""}
-    assert calls[1] == {"index": 0, "function": {"arguments": '{"path": "README.md"}'}}
+    fragments = calls[1:]  # one per token here: the scripted engine yields one token per output
+    assert len(fragments) > 1 and all(f.keys() == {"index", "function"} and f["index"] == 0 for f in fragments)
+    assert "".join(f["function"]["arguments"] for f in fragments) == '{"path": "README.md"}'
     finish = chunks[-2]["choices"][0]
     assert finish["delta"] == {} and finish["finish_reason"] == "tool_calls"
     usage_chunk = chunks[-1]
@@ -114,6 +116,28 @@ def test_streamed_tool_call_chunks(tiny_checkpoint, tok):
     assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
     assert usage_chunk["usage"]["completion_tokens_details"] == {"reasoning_tokens": len(tok.encode("Need the file."))}
     assert "<|" not in response.text
+
+
+def test_openai_stream_accumulator_rebuilds_the_call(tiny_checkpoint, tok):
+    """The official SDK's stream helper state (what `client.chat.completions.stream()` runs) sees
+    growing partial arguments and ends with the same call the non-streaming response holds."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    client, _, _ = make_client(tiny_checkpoint, encode_script(tok, *TOOL_SCRIPT))
+    events = sse_events(client.post("/v1/chat/completions", json=chat_body(tools=TOOLS, stream=True)))
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]  # the SDK parses only strict tools
+    state = ChatCompletionStreamState(input_tools=strict)
+    seen = [e for chunk in events[:-1] for e in state.handle_chunk(ChatCompletionChunk.model_validate(chunk))]
+    deltas = [e for e in seen if e.type == "tool_calls.function.arguments.delta"]
+    assert len(deltas) > 1 and deltas[-1].arguments == '{"path": "README.md"}'
+    assert deltas[0].arguments == "" and all(isinstance(e.parsed_arguments, dict) for e in deltas[1:])  # each prefix is partial JSON
+    assert deltas[-1].parsed_arguments == {"path": "README.md"}
+    done = [e for e in seen if e.type == "tool_calls.function.arguments.done"]
+    assert [(e.name, e.arguments) for e in done] == [("read", '{"path": "README.md"}')]
+    streamed_call = state.get_final_completion().choices[0].message.tool_calls[0]
+    full_call = client.post("/v1/chat/completions", json=chat_body(tools=TOOLS)).json()["choices"][0]["message"]["tool_calls"][0]
+    assert streamed_call.function.model_dump(include={"name", "arguments"}) == full_call["function"]
 
 
 def test_non_streaming_message(tiny_checkpoint, tok):
@@ -143,6 +167,21 @@ def test_max_tokens_cut_gives_length(tiny_checkpoint, tok):
     assert body["choices"][0]["finish_reason"] == "length"
     assert "tool_calls" not in body["choices"][0]["message"]
     assert engine.seen[-1][1].max_tokens == 8
+
+
+def test_call_cut_off_by_max_tokens_keeps_partial_arguments(tiny_checkpoint, tok):
+    script = encode_script(tok, *TOOL_SCRIPT)
+    cut = next(n for n in range(len(script)) if '"parameters": {"pa' in tok.decode(script[:n]))
+    client, engine, _ = make_client(tiny_checkpoint, script)
+    body = client.post("/v1/chat/completions", json=chat_body(tools=TOOLS, max_tokens=cut)).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    arguments = choice["message"]["tool_calls"][0]["function"]["arguments"]
+    assert arguments.startswith('{"pa') and '{"path": "README.md"}'.startswith(arguments)
+    events = sse_events(client.post("/v1/chat/completions", json=chat_body(tools=TOOLS, max_tokens=cut, stream=True)))
+    streamed = "".join(c["function"].get("arguments", "") for e in events[:-1] for d in [e["choices"][0]["delta"]]
+                       for c in d.get("tool_calls", []))
+    assert streamed == arguments and events[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_completions_stream_and_usage(tiny_checkpoint, tok):
@@ -248,7 +287,11 @@ def test_busy_server_answers_503_with_retry_after(tiny_checkpoint, tok):
 def test_models_tokenize_detokenize_metrics(tiny_checkpoint, tok):
     client, _, _ = make_client(tiny_checkpoint, encode_script(tok, *TEXT_SCRIPT), model_name="north-mini-code")
     models = client.get("/v1/models").json()
-    assert models["object"] == "list" and models["data"][0]["id"] == "north-mini-code" and models["data"][0]["max_model_len"] == 4096
+    card = models["data"][0]
+    assert models["object"] == "list" and card["id"] == "north-mini-code" and card["max_model_len"] == 4096
+    assert card["root"] == str(tiny_checkpoint.resolve()) and card["parent"] is None  # vLLM's fields
+    assert card["random_weights"] is True and "RANDOM WEIGHTS" in card["display_name"]  # a synthetic checkpoint
+    assert client.get("/health").json()["display_name"] == card["display_name"]
     ids = client.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"]
     assert ids[0] == tok.bos_id
     assert client.post("/detokenize", json={"tokens": ids[1:]}).json()["prompt"] == "hello world"
@@ -312,3 +355,16 @@ def test_failed_load_is_reported_by_health_and_requests(tiny_checkpoint, tmp_pat
     assert health.status_code == 503 and health.json()["status"] == "error" and str(tmp_path) in health.json()["error"]
     response = client.post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 503 and response.json()["error"]["code"] == "model_load_failed"
+
+
+def test_serve_refuses_a_taken_port_before_loading():
+    from northcode.commands.serve import bind_listener
+
+    first = bind_listener("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    first.listen()
+    try:
+        with pytest.raises(ValueError, match=rf"--port {port}: 127.0.0.1:{port} is already in use"):
+            bind_listener("127.0.0.1", port)
+    finally:
+        first.close()

@@ -179,6 +179,8 @@ def test_errors_through_the_openai_client(client, server):
     assert f"{limit} tokens" in info.value.body["message"] and info.value.body["code"] == "context_length_exceeded"
     models = client.models.list()
     assert [m.id for m in models.data] == ["north-mini-code"]
+    card = models.data[0].model_dump()  # the SDK keeps the extra fields
+    assert card["root"] and card["random_weights"] is True and "RANDOM WEIGHTS" in card["display_name"]
 
 
 def wait_for_idle(server, seconds: float = 10.0) -> dict:

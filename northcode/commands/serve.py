@@ -8,7 +8,9 @@ When the model is ready the URL and an OpenCode provider snippet are printed.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import socket
 import sys
 import threading
 
@@ -42,6 +44,25 @@ def opencode_snippet(base_url: str, model_name: str, context: int, api_key: str 
     return json.dumps({"$schema": "https://opencode.ai/config.json", "provider": provider}, indent=2)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port for uvicorn; ValueError naming the option when that fails."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host}: not an address this machine can bind ({err.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is already in use (another northcode serve?); "
+                             "stop it or choose another port") from None
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror})") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -60,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     system_prompt = DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
     options = ServerOptions(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
                             max_queue=args.max_queue, default_system_prompt=system_prompt)
+    listener = bind_listener(args.host, args.port)  # before loading: a taken port is a clear error at once
     state = ServerState(options)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -69,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     outcome: dict = {}
     threading.Thread(target=_announce_when_ready, args=(state, server, args, outcome), daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         if state.engine is not None:
             state.engine.shutdown()
@@ -78,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _announce_when_ready(state, server, args: argparse.Namespace, outcome: dict) -> None:
     import time
+
+    from northcode.paths import model_display_name
 
     last_phase = None
     while not state.ready and state.load_error is None:
@@ -97,5 +121,6 @@ def _announce_when_ready(state, server, args: argparse.Namespace, outcome: dict)
     base_url = f"http://{host}:{port}"
     print(f"\nnorthcode serve: ready at {base_url}/v1 (model id {state.options.model_name!r}, "
           f"context {state.engine.max_model_len} tokens)", file=sys.stderr)
+    print(f"  serving {model_display_name(state.model_dir)} from {state.model_dir}", file=sys.stderr)
     print("OpenCode: put this in opencode.json (or ~/.config/opencode/opencode.json):", file=sys.stderr)
     print(opencode_snippet(base_url, state.options.model_name, state.engine.max_model_len, args.api_key), file=sys.stderr)

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from northcode.paths import model_display_name, synthetic_info
 from northcode.server.chat import build_prompt, chat_completions
 from northcode.server.completions import completions, prompt_ids_of
 from northcode.server.errors import RequestError, error_body
@@ -33,15 +34,32 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "error", "phase": state.phase, "error": state.load_error}, status_code=503)
     if not state.ready:
         return JSONResponse({"status": "loading", "phase": state.phase}, status_code=503)
-    return JSONResponse({"status": "ok", "model": state.options.model_name})
+    body = {"status": "ok", "model": state.options.model_name}
+    if state.model_dir is not None:
+        body["display_name"] = model_display_name(state.model_dir)  # says RANDOM WEIGHTS when they are
+    return JSONResponse(body)
 
 
 async def models(request: Request) -> JSONResponse:
     state = request.app.state.server
     state.require_ready()
+    return JSONResponse({"object": "list", "data": [model_card(state)]})
+
+
+def model_card(state: ServerState) -> dict:
+    """The /v1/models entry: OpenAI's fields, vLLM's root/parent/max_model_len, and what the weights are.
+
+    `root` is the checkpoint folder on the server's machine (vLLM's convention). `display_name` and
+    `random_weights` let a client that did not start the server see that a demo or synthetic
+    checkpoint answers with noise.
+    """
     card = {"id": state.options.model_name, "object": "model", "created": state.created, "owned_by": "northcode",
-            "max_model_len": state.engine.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+            "root": state.options.model_name, "parent": None, "max_model_len": state.engine.max_model_len}
+    if state.model_dir is not None:
+        card["root"] = str(state.model_dir)
+        card["display_name"] = model_display_name(state.model_dir)
+        card["random_weights"] = synthetic_info(state.model_dir) is not None
+    return card
 
 
 async def metrics(request: Request) -> Response:

@@ -3,21 +3,27 @@
 It is a state machine on token ids, the shape of cmd4's grammar:
     [reasoning] <|END_THINKING|> ( <|START_TEXT|> content <|END_TEXT|> | <|START_ACTION|> [calls] <|END_ACTION|> )* <|END_OF_TURN_TOKEN|>
 Marker ids switch the channel and are never shown; ordinary ids are decoded incrementally (never
-half a UTF-8 character) and streamed at once, reasoning and content alike. ACTION text is buffered
-by ActionScanner and each call is sent when its JSON object closes: first a delta with index, id,
-type and name, then one with the arguments. Lenient like Melody: blocks may come in any order,
-text outside blocks is content, and action text that is not a valid call becomes content
-verbatim. The same object serves streaming and non-streaming responses (it accumulates both).
+half a UTF-8 character) and streamed at once, reasoning and content alike. ACTION text goes
+through ActionScanner: a call's first delta (index, id, type, name) goes out as soon as its name
+is known, then its arguments stream as fragments that join to exactly the JSON the model wrote.
+An announced call is never taken back: if its JSON turns out cut off or malformed, it keeps the
+text the model wrote as its arguments (OpenAI's behaviour; the client validates them) and is
+counted in `broken_calls`. Lenient like Melody: blocks may come in any order, text outside blocks
+is content, and action text that names no tool becomes content verbatim. The same object serves
+streaming and non-streaming responses (it accumulates both).
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 
-from northcode.server.action_scanner import ActionScanner, ParsedCall
+from northcode.server.action_scanner import ActionScanner, ArgumentsText, CallEnd, CallName, Event, Rejected
 from northcode.server.markers import Markers
 from northcode.server.text_guard import TextGuard
+
+log = logging.getLogger(__name__)
 
 REASONING, CONTENT, ACTION, DONE = "reasoning", "content", "action", "done"
 
@@ -52,9 +58,7 @@ class OutputParser:
         self._segment_ids: list[int] = []  # ids of the current channel not yet decoded
         self._detok = self._new_detokenizer()
         self._scanner = ActionScanner()
-        if action_prefix is not None:
-            self.channel = ACTION
-            assert not self._scanner.push(action_prefix).calls, "a prefix cannot hold a whole call"
+        self._block_calls: dict[int, int | None] = {}  # call_idx in the ACTION block -> index in tool_calls (None: dropped)
         self._deltas: list[dict] = []
         # accumulated turn, for non-streaming responses and usage
         self.reasoning = ""
@@ -62,6 +66,10 @@ class OutputParser:
         self.tool_calls: list[dict] = []  # [{"id", "type": "function", "function": {"name", "arguments"}}]
         self.reasoning_tokens = 0
         self.dropped_calls = 0  # calls beyond the first when parallel_tool_calls is false
+        self.broken_calls = 0  # announced calls whose JSON was cut off or malformed
+        if action_prefix is not None:  # the forced call's name, if any, is announced by the first feed()
+            self.channel = ACTION
+            self._on_action_events(self._scanner.push(action_prefix))
 
     @property
     def stopped(self) -> bool:
@@ -115,8 +123,8 @@ class OutputParser:
         if flush is not None:
             self._on_text(flush())
         if self.channel == ACTION:
-            self._emit_text(CONTENT, self._scanner.finish())
-            self._scanner = ActionScanner()
+            self._on_action_events(self._scanner.finish())
+            self._scanner, self._block_calls = ActionScanner(), {}
         for name, guard in self._guards.items():
             self._emit_raw(name, guard.flush())
         self._detok = self._new_detokenizer()
@@ -135,10 +143,19 @@ class OutputParser:
             self._emit_text(self.channel, text)
 
     def _on_action_text(self, text: str) -> None:
-        result = self._scanner.push(text)
-        for call in result.calls:
-            self._emit_call(call)
-        self._emit_text(CONTENT, result.rejected)
+        self._on_action_events(self._scanner.push(text))
+
+    def _on_action_events(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, CallName):
+                self._start_call(event.call_idx, event.name)
+            elif isinstance(event, ArgumentsText):
+                self._add_arguments(event.call_idx, event.text)
+            elif isinstance(event, CallEnd):
+                self._end_call(event)
+            else:
+                assert isinstance(event, Rejected)
+                self._emit_text(CONTENT, event.text)
 
     # --- deltas ---
 
@@ -168,15 +185,40 @@ class OutputParser:
         else:
             self._deltas.append(delta)
 
-    def _emit_call(self, call: ParsedCall) -> None:
+    def _start_call(self, call_idx: int, name: str) -> None:
+        """The first delta of a call: index, id, type and name, with empty arguments."""
         if self.tool_calls and not self._parallel:
+            self._block_calls[call_idx] = None
             self.dropped_calls += 1
             return
         index, call_id = len(self.tool_calls), self._new_call_id()
-        self.tool_calls.append({"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}})
-        head = {"index": index, "id": call_id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        self._deltas.append({"tool_calls": [head]})
-        self._deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+        self._block_calls[call_idx] = index
+        self.tool_calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}})
+        self._deltas.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                             "function": {"name": name, "arguments": ""}}]})
+
+    def _add_arguments(self, call_idx: int, text: str) -> None:
+        """An arguments fragment; merged into the previous delta when that is a fragment of the same call."""
+        index = self._block_calls.get(call_idx)
+        if index is None or not text:
+            return
+        self.tool_calls[index]["function"]["arguments"] += text
+        last = self._deltas[-1]["tool_calls"][0] if self._deltas and "tool_calls" in self._deltas[-1] else None
+        if last is not None and last["index"] == index and "id" not in last:
+            last["function"]["arguments"] += text
+        else:
+            self._deltas.append({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
+
+    def _end_call(self, end: CallEnd) -> None:
+        if not end.named:  # never a call: the model's text is shown, not lost
+            self._emit_text(CONTENT, end.raw)
+            return
+        index = self._block_calls[end.call_idx]
+        if index is not None and not end.valid:
+            self.broken_calls += 1
+            state = "cut off" if not end.complete else "malformed"
+            log.warning("tool call %d (%s) was %s; its arguments are sent as the model wrote them: %.200r",
+                        index, self.tool_calls[index]["function"]["name"], state, end.raw)
 
     def _take_deltas(self) -> list[dict]:
         deltas, self._deltas = self._deltas, []

@@ -43,6 +43,7 @@ class ServerState:
         self.phase = "starting"
         self.load_error: str | None = None
         self.engine = None
+        self.model_dir: Path | None = None  # the checkpoint folder, once attached (vLLM's `root`)
         self.template = None
         self.markers = None
         self._in_flight = 0
@@ -66,6 +67,7 @@ class ServerState:
         else:
             raise ValueError("the model has no chat template (chat_template.jinja or tokenizer_config.json)")
         self.markers = Markers.from_tokenizer(engine.tokenizer)
+        self.model_dir = model_dir.resolve() if model_dir is not None else None
         self.engine = engine
         self.phase = "ready"
 
