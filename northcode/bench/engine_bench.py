@@ -1,0 +1,175 @@
+"""`northcode bench engine`: the engine's latency and throughput through its real API (generate()).
+
+Measures time to first token for a cold prompt and for the same prompt plus a short new turn (the
+prefix cache's case), prefill tokens/s (cold prompt tokens / cold TTFT), and decode tokens/s at each
+batch size (B requests at the same context, tokens after the first / time). Prompts are random token
+ids; a warm-up request per shape runs first, so CUDA-graph capture is not timed. Prints a table, or
+JSON with --json. With --preset, random weights are drawn on the device (no files, no tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+HELP = "engine benchmark: TTFT cold and warm, prefill and decode tokens/s at batch 1..8"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the demo checkpoint)")
+    source.add_argument("--preset", choices=("tiny", "north-mini-code"),
+                        help="random weights of a preset drawn on the device instead of a checkpoint")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--prompt-len", type=int, metavar="N", help="cold prompt tokens (default 4096 GPU, 256 CPU)")
+    parser.add_argument("--turn-len", type=int, default=32, metavar="N", help="new tokens of the warm turn (default 32)")
+    parser.add_argument("--context", type=int, metavar="N",
+                        help="context of each decoding request (default 8192 GPU, 128 CPU)")
+    parser.add_argument("--decode-tokens", type=int, metavar="N", help="tokens per decode run (default 64 GPU, 8 CPU)")
+    parser.add_argument("--batch-sizes", default="1,2,4,8", metavar="LIST", help="decode batch sizes (default 1,2,4,8)")
+    parser.add_argument("--chunk-size", type=int, default=2048, metavar="N", help="prefill chunk size (default 2048)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    parser.add_argument("--backend", choices=("torch", "megakernel"), default="torch", help="decode backend")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run the torch decode step eagerly")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="of free GPU memory for KV pages")
+    parser.add_argument("--num-pages", type=int, help="fixed KV pool size in pages")
+
+
+@dataclass
+class EngineBenchResult:
+    model: str
+    device: str
+    backend: str
+    prompt_len: int
+    turn_len: int
+    context: int
+    ttft_cold_s: float = 0.0
+    ttft_warm_s: float = 0.0
+    warm_cached_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode: list[dict] = field(default_factory=list)  # {batch, tokens_per_s, per_sequence_tokens_per_s, ms_per_step}
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-sizes {text!r}: expected comma-separated integers like 1,2,4,8") from None
+    if not sizes or any(size < 1 for size in sizes):
+        raise ValueError(f"--batch-sizes {text!r}: every size must be >= 1")
+    return sizes
+
+
+def build_engine(args: argparse.Namespace):
+    from northcode.engine.engine import Engine, resolve_device, resolve_dtype
+    from northcode.engine.settings import EngineSettings
+
+    sizes = parse_batch_sizes(args.batch_sizes)
+    settings = EngineSettings(max_batch=max(8, *sizes), chunk_size=args.chunk_size, device=args.device,
+                              dtype=args.dtype, backend=args.backend, cuda_graphs=not args.no_cuda_graphs,
+                              gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages, seed=0)
+    if args.preset is None:
+        from northcode.paths import resolve_model
+
+        return Engine.from_model_dir(resolve_model(args.model), settings)
+    from northcode.engine.synthetic import TOKENIZER_VOCAB_SIZE, preset_config, random_weights
+
+    config = preset_config(args.preset, vocab_size=TOKENIZER_VOCAB_SIZE if args.preset == "tiny" else None)
+    device = resolve_device(settings.device)
+    weights = random_weights(config, device=device, dtype=resolve_dtype(settings.dtype, device))
+    return Engine(config, weights, None, settings, model_name=f"{args.preset} (random weights)")
+
+
+async def _one(engine, request_id: str, prompt: list[int], max_tokens: int):
+    from northcode.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    final = None
+    async for out in engine.generate(request_id, prompt, params):
+        final = out
+    return final
+
+
+def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def measure(engine, args: argparse.Namespace, on_gpu: bool) -> EngineBenchResult:
+    rng = random.Random(0)
+    vocab = engine.config.vocab_size
+    limit = engine.max_model_len - 1
+    prompt_len = min(args.prompt_len or (4096 if on_gpu else 256), limit - args.turn_len - 1)
+    context = min(args.context or (8192 if on_gpu else 128), limit)
+    decode_tokens = args.decode_tokens or (64 if on_gpu else 8)
+    result = EngineBenchResult(engine.model_name, str(engine.backend.k_pool.device), engine.backend.name,
+                               prompt_len, args.turn_len, context)
+    run = lambda coro: asyncio.run(coro)  # noqa: E731
+    run(_one(engine, "warm-up", random_prompt(rng, vocab, prompt_len), 2))  # allocator, lazy kernels
+    prompt = random_prompt(rng, vocab, prompt_len)
+    cold = run(_one(engine, "cold", prompt, 1))
+    warm = run(_one(engine, "warm", prompt + random_prompt(rng, vocab, args.turn_len), 1))
+    result.ttft_cold_s = cold.timings.time_to_first_token_s
+    result.ttft_warm_s = warm.timings.time_to_first_token_s
+    result.warm_cached_tokens = warm.usage.cached_tokens
+    result.prefill_tokens_per_s = prompt_len / result.ttft_cold_s
+    for batch in parse_batch_sizes(args.batch_sizes):
+        result.decode.append(_measure_decode(engine, rng, batch, context, decode_tokens))
+    return result
+
+
+def _measure_decode(engine, rng: random.Random, batch: int, context: int, decode_tokens: int) -> dict:
+    """B requests prefilled to `context - 1` tokens, then decode_tokens each; timed from token 2 on."""
+    vocab = engine.config.vocab_size
+    prompts = [random_prompt(rng, vocab, context - decode_tokens) for _ in range(batch)]
+
+    async def all_of(tag: str, max_tokens: int):
+        return await asyncio.gather(*[_one(engine, f"{tag}-{batch}-{i}", p, max_tokens) for i, p in enumerate(prompts)])
+
+    asyncio.run(all_of("decode-warm-up", decode_tokens))  # captures the graphs; the prompts stay cached
+    finals = asyncio.run(all_of("decode", decode_tokens))
+    gaps = [gap for final in finals for gap in final.timings.token_latencies_s[1:]]  # the first may share a prefill step
+    step_s = statistics.median(gaps) if gaps else float("nan")
+    return {"batch": batch, "tokens_per_s": batch / step_s, "per_sequence_tokens_per_s": 1 / step_s,
+            "ms_per_step": step_s * 1e3}
+
+
+def format_table(result: EngineBenchResult) -> str:
+    lines = [f"engine benchmark: {result.model} on {result.device}, {result.backend} backend",
+             f"  TTFT cold ({result.prompt_len} tokens)          {result.ttft_cold_s * 1e3:9.1f} ms",
+             f"  TTFT warm (+{result.turn_len} tokens, {result.warm_cached_tokens} cached) "
+             f"{result.ttft_warm_s * 1e3:9.1f} ms",
+             f"  prefill                              {result.prefill_tokens_per_s:9.0f} tokens/s",
+             f"  decode at context {result.context}:",
+             "    batch   tokens/s   per sequence   ms/step"]
+    for row in result.decode:
+        lines.append(f"    {row['batch']:5d} {row['tokens_per_s']:10.1f} {row['per_sequence_tokens_per_s']:14.1f}"
+                     f" {row['ms_per_step']:9.2f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("prompt_len", "context", "decode_tokens", "turn_len", "chunk_size", "num_pages"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    parse_batch_sizes(args.batch_sizes)
+    import torch
+
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    started = time.perf_counter()
+    engine = build_engine(args)
+    print(f"northcode bench engine: {engine.model_name} loaded in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr)
+    try:
+        result = measure(engine, args, on_gpu)
+    finally:
+        engine.shutdown()
+    print(json.dumps(asdict(result), indent=2) if args.json else format_table(result))
+    return 0

@@ -1,0 +1,56 @@
+"""EngineSettings: how the engine runs a model (batch, pages, chunks, memory, device), validated once.
+
+The model's math lives in config.py (ModelConfig); this file holds only the knobs a user or a
+benchmark may turn. Every field a user can set is checked in `__post_init__` with a ValueError that
+names it. Derived values that need the model or the device (the page count, the context length)
+are computed by the engine at start-up, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("torch", "megakernel")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    max_batch: int = 8  # sequences in one step (decode rows + prefilling sequences)
+    page_size: int = 64  # tokens per KV page; the megakernel is built for 64
+    chunk_size: int = 512  # prefill tokens per step (all prefilling sequences together)
+    gpu_memory_fraction: float = 0.90  # of the GPU memory free after the weights, for the KV pool
+    cpu_kv_bytes: int = 2 << 30  # KV pool budget on the CPU (K and V together)
+    num_pages: int | None = None  # fixed pool size (tests, benchmarks); None: from the memory above
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the pool
+    backend: str = "torch"
+    dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    enable_prefix_cache: bool = True
+    cuda_graphs: bool = True  # decode step in a CUDA graph per batch size (GPU only)
+    compile: bool = False  # torch.compile the decode step before graph capture (GPU only; measured on the
+    # H200 at 8K context: 272 s to compile batch 1 and no faster than the plain graph, so off by default)
+    seed: int | None = None  # draws the seeds of requests that give none; None: fresh entropy
+
+    def __post_init__(self) -> None:
+        def reject(name: str, why: str) -> None:
+            raise ValueError(f"engine setting {name} = {getattr(self, name)!r}: {why}")
+
+        for name in ("max_batch", "page_size", "chunk_size", "cpu_kv_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                reject(name, "must be a positive integer")
+        if self.max_batch > 64:
+            reject("max_batch", "must be <= 64")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            reject("gpu_memory_fraction", "must be in (0, 1]")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages <= 0):
+            reject("num_pages", "must be a positive integer or None")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            reject("max_model_len", "must be an integer >= 2 or None")
+        if self.backend not in BACKENDS:
+            reject("backend", f"must be one of {list(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            reject("dtype", f"must be one of {list(DTYPES)}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            reject("device", "must be auto, cpu, cuda or cuda:N")

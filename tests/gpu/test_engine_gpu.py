@@ -1,0 +1,217 @@
+"""The engine on the GPU at the full North Mini Code widths, with random weights drawn on the device, at 8K
+context; and the tiny checkpoint end to end with CUDA graphs.
+
+Why two precisions: a random 49-layer MoE amplifies rounding chaotically (a bf16 near-tie in one of 48
+routers picks another expert, and the change grows layer after layer), so two correct bf16 paths, or even
+one path at batch 8 and at batch 1, give decorrelated logits after 49 layers. So:
+- fp32, the first 5 layers of the full geometry (every layer kind), 8K tokens prefilled in chunks across the
+  4096 window, then decode steps in CUDA graphs, teacher-forced: logits within FP32_MEAN_TOL of the
+  reference (model.py, contiguous cache); a ragged batch of 8 equals each row alone, graphs equal eager.
+- bf16, all 49 layers, decoding from the same 8K cache: each layer teacher-forced (fed the reference's
+  input), its output (attention + MLP) within BF16_COS_MIN cosine and BF16_REL_TOL relative error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
+from northcode.engine.kv_cache import KVCacheManager
+
+pytestmark = pytest.mark.gpu
+
+CONTEXT = 8192  # tokens prefilled before the decode steps
+DECODE_STEPS = 16
+PREFILL_CHUNK = 2048  # the window (4096) is crossed inside the prefill: sliding pages are freed there
+FP32_MEAN_TOL, FP32_COS_MIN = 1e-3, 0.99999  # mean |diff| relative to the logits' std (about 3); cosine per step
+BF16_COS_MIN, BF16_REL_TOL = 0.999, 0.05  # per layer: cosine and |diff| / |reference| of its output
+
+
+@pytest.fixture(scope="module")
+def width5_fp32():
+    """The first 5 layers of the full geometry (dense full+RoPE, 3 sliding, full NoPE), fp32 on the GPU."""
+    import dataclasses
+
+    from northcode.engine.model import NorthModel
+    from northcode.engine.synthetic import preset_config, random_weights
+
+    config = dataclasses.replace(preset_config("north-mini-code"), num_hidden_layers=5, layer_types=None,
+                                 mlp_layer_types=None)
+    weights = random_weights(config, device="cuda", dtype=torch.float32)
+    return config, weights, NorthModel(config, weights)
+
+
+@pytest.fixture(scope="module")
+def full_model():
+    from northcode.engine.model import NorthModel
+    from northcode.engine.synthetic import preset_config, random_weights
+
+    config = preset_config("north-mini-code")
+    weights = random_weights(config, device="cuda", dtype=torch.bfloat16)
+    return config, weights, NorthModel(config, weights)
+
+
+def make_paged(config, weights, rows: int, pages_per_row: int):
+    from northcode.engine.torch_backend import TorchBackend
+
+    num_pages = rows * pages_per_row
+    max_pages = -(-(CONTEXT + DECODE_STEPS + 64) // 64)
+    kv = KVCacheManager(config, num_pages, 64, rows, max_pages)
+    return kv, TorchBackend(config, weights, num_pages, 64, rows, max_pages, cuda_graphs=True)
+
+
+def paged_prefill(kv, backend, row: int, tokens: list[int]) -> torch.Tensor:
+    for start in range(0, len(tokens), PREFILL_CHUNK):
+        end = min(len(tokens), start + PREFILL_CHUNK)
+        kv.evict_behind_window(row, start)
+        kv.allocate(row, end)
+        logits = backend.prefill(PrefillBatch([PrefillChunk(row, tokens[start:end], start)], kv.block_tables,
+                                              kv.version, kv.high_water))
+    return logits[0]
+
+
+def paged_decode(kv, backend, rows: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    for row, pos in zip(rows, positions):
+        kv.evict_behind_window(row, pos)
+        kv.allocate(row, pos + 1)
+    batch = DecodeBatch(rows, token_ids, positions, [], False, True, kv.block_tables, kv.version, kv.high_water)
+    return backend.decode(batch).logits
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got, want: [steps, V]: mean |difference| under FP32_MEAN_TOL x the logits' std, cosine of every
+    step's logits at least FP32_COS_MIN, the same argmax."""
+    want, got = want.float(), got.float()
+    spread = want.std().item()
+    diff = (got - want).abs()
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    report = (f"mean |diff| {diff.mean().item():.2e} (tol {FP32_MEAN_TOL * spread:.2e}), max {diff.max().item():.2e}, "
+              f"min cosine {cos.min().item():.7f}")
+    print(report)
+    assert diff.mean().item() <= FP32_MEAN_TOL * spread, report
+    assert cos.min().item() >= FP32_COS_MIN, report
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), report
+
+
+def copy_into_pages(kv, backend, row: int, cache, length: int) -> None:
+    """Map pages for positions 0..length-1 of a row (sliding layers only the window's) and fill them with
+    the contiguous cache's K/V: both paths then decode from exactly the same state."""
+    kv.allocate(row, length)
+    kv.evict_behind_window(row, length)
+    for layer in range(kv.num_layers):
+        pages = torch.tensor(kv.tables[layer][row][:kv.num_mapped[row]], device="cuda")
+        held = (pages >= 0).nonzero().flatten()
+        for pool, stored in ((backend.k_pool, cache.keys[layer]), (backend.v_pool, cache.values[layer])):
+            padded = torch.zeros(kv.num_mapped[row] * 64, *stored.shape[2:], dtype=stored.dtype, device="cuda")
+            padded[:length] = stored[0, :length]
+            pool[pages[held]] = padded.view(-1, 64, *stored.shape[2:])[held]
+
+
+def test_fp32_chunked_paged_prefill_and_graph_decode_match_the_reference_at_8k(width5_fp32):
+    config, weights, model = width5_fp32
+    tokens = torch.randint(0, config.vocab_size, (CONTEXT + DECODE_STEPS,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = model.new_cache()
+    want = [model.prefill(tokens[:CONTEXT], cache, last_only=True)[-1]]
+    for pos in range(CONTEXT, CONTEXT + DECODE_STEPS - 1):
+        want.append(model.decode(tokens[pos], cache))
+    del cache
+    kv, backend = make_paged(config, weights, rows=1, pages_per_row=5 * 132)
+    got = [paged_prefill(kv, backend, 0, tokens[:CONTEXT])]
+    for pos in range(CONTEXT, CONTEXT + DECODE_STEPS - 1):
+        got.append(paged_decode(kv, backend, [0], [tokens[pos]], [pos])[0])
+    assert_logits_close(torch.stack(got), torch.stack(want))
+    sliding_held = (kv.block_tables[1, 0] >= 0).sum().item()
+    assert sliding_held <= 4096 // 64 + 2  # the window's pages and one of slack, not the whole context
+    assert backend.graphs, "the decode steps ran in CUDA graphs"
+
+
+def test_fp32_ragged_batch_of_eight_equals_each_row_alone_and_graphs_equal_eager(width5_fp32):
+    config, weights, model = width5_fp32
+    tokens = torch.randint(0, config.vocab_size, (CONTEXT + 1,), generator=torch.Generator().manual_seed(2)).tolist()
+    cache = model.new_cache()
+    model.prefill(tokens[:CONTEXT], cache, last_only=True)
+    lengths = [CONTEXT, 6000, 4097, 4000, 2500, 700, 65, 3]
+    kv, backend = make_paged(config, weights, rows=8, pages_per_row=5 * 132)
+    for row, length in enumerate(lengths):
+        copy_into_pages(kv, backend, row, cache, length)
+    rows, next_tokens = list(range(8)), [tokens[n] for n in lengths]
+    together = paged_decode(kv, backend, rows, next_tokens, lengths)  # writes position `length` of each row
+    alone = torch.stack([paged_decode(kv, backend, [r], [next_tokens[r]], [lengths[r]])[0] for r in rows])
+    assert_logits_close(together, alone)
+    backend.use_graphs = False
+    try:
+        assert_logits_close(paged_decode(kv, backend, rows, next_tokens, lengths), together)
+    finally:
+        backend.use_graphs = True
+
+
+def test_bf16_full_geometry_layers_match_the_reference_decoding_from_the_same_8k_cache(full_model):
+    """All 49 layers, bf16, at position 8192 of a cache the reference prefilled: each layer is fed the
+    reference's input, and its output (x_out - x_in) must match the reference's within the bf16 tolerance."""
+    from northcode.engine.model import mlp, norm, rope_cos_sin
+
+    config, weights, model = full_model
+    tokens = torch.randint(0, config.vocab_size, (CONTEXT + 1,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = model.new_cache()
+    model.prefill(tokens[:CONTEXT], cache, last_only=True)
+    kv, backend = make_paged(config, weights, rows=1, pages_per_row=49 * 132)
+    copy_into_pages(kv, backend, 0, cache, CONTEXT)
+    kv.allocate(0, CONTEXT + 1)
+    backend._upload_tables(kv.block_tables, kv.version)
+    rows = torch.tensor([0], device="cuda")
+    positions = torch.tensor([[CONTEXT]], device="cuda")
+    cos, sin = rope_cos_sin(positions, backend.inv_freq, backend.dtype)
+    views = {sliding: backend._visible_keys(
+        next(i for i in range(config.num_hidden_layers) if (config.window(i) is not None) == sliding), rows, positions,
+        torch.tensor([(CONTEXT - 4095) // 64 if sliding else 0], device="cuda"),
+        backend._window_pages() if sliding else -(-(CONTEXT + 1) // 64)) for sliding in (False, True)}
+    x = torch.nn.functional.embedding(torch.tensor([[tokens[CONTEXT]]], device="cuda"), model.embed)  # [1, 1, H]
+    worst_cos, worst_rel = 1.0, 0.0
+    with torch.inference_mode():
+        for i, layer in enumerate(model.layers):
+            h = norm(x, layer.input_norm, config)
+            want = model._attention(i, layer, h, positions[0], cos[0], sin[0], cache) + mlp(h[0], layer, config, i)
+            got = backend.layer_forward(i, x, rows, positions, cos, sin, *views[config.window(i) is not None]) - x
+            want, got = want.float().flatten(), got.float().flatten()
+            worst_cos = min(worst_cos, torch.nn.functional.cosine_similarity(got, want, dim=0).item())
+            worst_rel = max(worst_rel, ((got - want).norm() / want.norm()).item())
+            x = x + want.view_as(x).to(x.dtype)
+    print(f"49 bf16 layers, teacher-forced at position {CONTEXT}: min cosine {worst_cos:.5f}, max rel err {worst_rel:.4f}")
+    assert worst_cos >= BF16_COS_MIN and worst_rel <= BF16_REL_TOL
+
+
+def test_tiny_engine_on_the_gpu_matches_the_reference_and_reuses_prefixes(tiny_checkpoint):
+    from northcode.engine.engine import Engine
+    from northcode.engine.model import NorthModel
+    from northcode.engine.request import SamplingParams
+    from northcode.engine.settings import EngineSettings
+
+    reference = NorthModel.from_dir(tiny_checkpoint, device="cuda", dtype=torch.float32)
+    engine = Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cuda", dtype="float32", page_size=16,
+                                                                   chunk_size=24, num_pages=80, seed=0))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(20, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 30, 61, 90)]
+
+    async def run_all(batch):
+        async def one(i, prompt):
+            return [o async for o in engine.generate(f"r{i}-{len(prompt)}-{id(batch)}", prompt, params)]
+        return await asyncio.gather(*[one(i, p) for i, p in enumerate(batch)])
+
+    try:
+        first = asyncio.run(run_all(prompts))  # 80 pages: too few for all four at once, preemption
+        again = asyncio.run(run_all(prompts))  # the prompts come back from the prefix cache
+        for prompt, outs, outs_again in zip(prompts, first, again):
+            generated = [t for o in outs for t in o.token_ids]
+            assert generated == [t for o in outs_again for t in o.token_ids]
+            logits = reference.forward(torch.tensor([prompt + generated], device="cuda"))[0, len(prompt) - 1:-1]
+            assert logits.argmax(-1).tolist() == generated
+        assert sum(outs[-1].usage.cached_tokens for outs in again) >= 80  # e.g. the 90-token prompt's 5 blocks
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.stats()["pages_used"] == 0
+        assert engine.backend.graphs
+    finally:
+        engine.shutdown()

@@ -1,0 +1,24 @@
+"""`northcode bench engine` on the demo (tiny) checkpoint: it runs in seconds and reports sane figures."""
+
+from __future__ import annotations
+
+import json
+
+from northcode.cli import main
+
+
+def test_bench_engine_json_on_the_tiny_checkpoint(capsys):
+    code = main(["bench", "engine", "--json", "--device", "cpu", "--batch-sizes", "1,2", "--prompt-len", "70",
+                 "--turn-len", "8", "--context", "40", "--decode-tokens", "5"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompt_len"] == 70 and result["ttft_cold_s"] > 0 and result["prefill_tokens_per_s"] > 0
+    assert result["warm_cached_tokens"] == 64  # the cold prompt's one full page, found again
+    assert [row["batch"] for row in result["decode"]] == [1, 2]
+    assert all(row["tokens_per_s"] > 0 for row in result["decode"])
+
+
+def test_bench_engine_rejects_bad_options(capsys):
+    assert main(["bench", "engine", "--batch-sizes", "1,x"]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err
+    assert main(["bench", "engine", "--context", "0"]) == 2
