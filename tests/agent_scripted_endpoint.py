@@ -29,10 +29,18 @@ def text_reply(content: str, reasoning: str = "", delay_s: float = 0.0, cached_t
             "cached_tokens": cached_tokens}
 
 
-def tool_reply(*calls: tuple[str, dict | str], content: str = "") -> dict:
-    """A reply that calls tools: (name, arguments as a dict or a raw string) per call."""
-    return {"content": content, "reasoning": "", "delay_s": 0.0, "cached_tokens": 0,
+def tool_reply(*calls: tuple[str, dict | str], content: str = "", finish_reason: str = "tool_calls",
+               fragment_chars: int = 7) -> dict:
+    """A reply that calls tools: (name, arguments as a dict or a raw string) per call. The arguments
+    stream in fragments of `fragment_chars`; finish_reason "length" plays a reply cut off by max_tokens."""
+    return {"content": content, "reasoning": "", "delay_s": 0.0, "cached_tokens": 0, "finish_reason": finish_reason,
+            "fragment_chars": fragment_chars,
             "tool_calls": [(name, args if isinstance(args, str) else json.dumps(args)) for name, args in calls]}
+
+
+def error_reply(message: str, status: int = 503) -> dict:
+    """An OpenAI-shaped error answer, before any streamed byte."""
+    return {"error": message, "status": status}
 
 
 def prompt_tokens(messages: list[dict]) -> int:
@@ -53,14 +61,29 @@ def _chunk(delta: dict | None, finish: str | None = None, usage: dict | None = N
     return f"data: {json.dumps(body)}\n\n"
 
 
+def _invalid_history_arguments(messages: list[dict]) -> str | None:
+    """What northcode serve says of an assistant tool call whose arguments are not a JSON object."""
+    for message_idx, message in enumerate(messages):
+        for call_idx, call in enumerate(message.get("tool_calls") or []):
+            try:
+                arguments = json.loads(call["function"]["arguments"] or "{}")
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                return f"messages[{message_idx}].tool_calls[{call_idx}].function.arguments is not a JSON object"
+    return None
+
+
 def _fragments(text: str) -> list[str]:
     words = text.split(" ")
     return [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words) if w or i < len(words) - 1]
 
 
 class ScriptedEndpoint:
-    def __init__(self, replies: list[dict] | None = None, context_len: int = 4096, loading_polls: int = 0) -> None:
+    def __init__(self, replies: list[dict] | None = None, context_len: int = 4096, loading_polls: int = 0,
+                 model_card: dict | None = None) -> None:
         self.replies = list(replies or [])
+        self.model_card = model_card or {}  # extra /v1/models fields: northcode serve's root, display_name...
         self.requests: list[dict] = []
         self.disconnects = 0  # streams the client closed before the end
         self.finished = 0  # streams sent to the end
@@ -91,8 +114,8 @@ class ScriptedEndpoint:
         self._sock.close()
 
     async def _models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": 0,
-                                                         "owned_by": "tests", "max_model_len": self.context_len}]})
+        card = {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "tests", "max_model_len": self.context_len}
+        return JSONResponse({"object": "list", "data": [{**card, **self.model_card}]})
 
     async def _health(self, request: Request) -> JSONResponse:
         if self.loading_polls > 0:
@@ -107,9 +130,14 @@ class ScriptedEndpoint:
     async def _chat(self, request: Request) -> StreamingResponse | JSONResponse:
         body = await request.json()
         self.requests.append(body)
+        invalid = _invalid_history_arguments(body["messages"])
+        if invalid:  # northcode serve (and OpenAI) refuse these: the agent must never send them
+            return JSONResponse({"error": {"message": invalid, "type": "invalid_request_error"}}, 400)
         if not self.replies:
             return JSONResponse({"error": {"message": "the script has no more replies", "type": "test"}}, 500)
         reply = self.replies.pop(0)
+        if "error" in reply:
+            return JSONResponse({"error": {"message": reply["error"], "type": "test"}}, reply["status"])
         if "raw" in reply:
             return StreamingResponse(iter([reply["raw"]]), status_code=reply["status"], media_type="text/event-stream")
         return StreamingResponse(self._stream(reply, prompt_tokens(body["messages"])),
@@ -127,10 +155,11 @@ class ScriptedEndpoint:
             for call_idx, (name, arguments) in enumerate(reply["tool_calls"]):
                 yield _chunk({"tool_calls": [{"index": call_idx, "id": f"call_{call_idx}_{len(self.requests)}",
                                               "type": "function", "function": {"name": name, "arguments": ""}}]})
-                for start in range(0, len(arguments), 7):  # argument fragments, as a model streams them
-                    yield _chunk({"tool_calls": [{"index": call_idx, "function": {"arguments": arguments[start:start + 7]}}]})
+                size = reply.get("fragment_chars", 7)
+                for start in range(0, len(arguments), size):  # argument fragments, as a model streams them
+                    yield _chunk({"tool_calls": [{"index": call_idx, "function": {"arguments": arguments[start:start + size]}}]})
                 num_tokens += len(arguments) // 4 + 2
-            yield _chunk({}, finish="tool_calls" if reply["tool_calls"] else "stop")
+            yield _chunk({}, finish=reply.get("finish_reason") or ("tool_calls" if reply["tool_calls"] else "stop"))
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens,
                      "total_tokens": prompt_tokens + num_tokens,
                      "prompt_tokens_details": {"cached_tokens": reply["cached_tokens"]}}

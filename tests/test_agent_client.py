@@ -7,9 +7,11 @@ import os
 import re
 import signal
 
+import httpx
 import pytest
 from agent_scripted_endpoint import ScriptedEndpoint, raw_reply
 
+from northcode import paths
 from northcode.agent.approvals import Approvals, Decision, Mode
 from northcode.agent.client import ChatClient, Completion, EndpointError, split_endpoint
 from northcode.agent.mentions import expand_mentions
@@ -47,7 +49,10 @@ async def test_parallel_tool_calls_are_assembled_by_index():
                  {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}}, "[DONE]")
     with ScriptedEndpoint([raw_reply(stream)]) as endpoint:
         deltas, completion = await collect(endpoint)
-    assert [(d.kind, d.text) for d in deltas] == [("reasoning", "let me look"), ("tool_call", "read"), ("tool_call", "grep")]
+    assert [(d.kind, d.text) for d in deltas] == [
+        ("reasoning", "let me look"), ("tool_call", "read"), ("tool_call", "grep"), ("tool_arguments", '{"pat'),
+        ("tool_arguments", '{"filePath": '), ("tool_arguments", '"x.py"}'), ("tool_arguments", 'tern": "a"}')]
+    assert [d.num_chunks for d in deltas] == list(range(1, 8))  # argument fragments count for the live rate
     assert [(c.id, c.name, json.loads(c.arguments)) for c in completion.tool_calls] == [
         ("call_a", "read", {"filePath": "x.py"}), ("call_b", "grep", {"pattern": "a"})]
     assert completion.finish_reason == "tool_calls" and completion.usage["completion_tokens"] == 5
@@ -55,6 +60,19 @@ async def test_parallel_tool_calls_are_assembled_by_index():
     message = completion.to_message()
     assert message["content"] == "" and message["reasoning_content"] == "let me look" and len(message["tool_calls"]) == 2
     assert endpoint.requests[0]["model"] == "m" and endpoint.requests[0]["stream"] is True
+
+
+async def test_fragments_without_index_continue_the_last_call():
+    """Some servers leave out `index` after a call's first delta: a fragment with neither id nor
+    name then belongs to the call before it, and a delta with a new id starts the next call."""
+    stream = sse(delta(tool_calls=[{"id": "call_a", "function": {"name": "read", "arguments": "{\"file"}}]),
+                 delta(tool_calls=[{"function": {"arguments": "Path\": \"a\"}"}}]),
+                 delta(tool_calls=[{"id": "call_b", "function": {"name": "list", "arguments": ""}}]),
+                 delta(tool_calls=[{"function": {"arguments": "{}"}}]), "[DONE]")
+    with ScriptedEndpoint([raw_reply(stream)]) as endpoint:
+        _, completion = await collect(endpoint)
+    assert [(c.id, c.name, c.arguments) for c in completion.tool_calls] == [
+        ("call_a", "read", '{"filePath": "a"}'), ("call_b", "list", "{}")]
 
 
 async def test_a_call_without_id_gets_one():
@@ -138,20 +156,39 @@ async def test_connect_starts_a_background_server_and_reports_its_phases(tiny_ch
 
     phases: list[str] = []
     address = f"http://127.0.0.1:{free_port()}"
-    root, started = await server_process.connect(None, tiny_checkpoint, phases.append, timeout_s=120, address=address)
+    root = await server_process.connect(None, tiny_checkpoint, phases.append, timeout_s=120, address=address)
     pid = int(re.search(r"pid (\d+)", phases[0]).group(1))
     try:
-        assert root == address and started == tiny_checkpoint
+        assert root == address
         assert phases[0].startswith(f"started northcode serve on {address}") and phases[-1] == "ready"
-        assert server_process.model_label({"id": "north-mini-code"}, started).endswith("RANDOM WEIGHTS: output is noise)")
-        again: list[str] = []  # a second app finds the running server instead of starting another,
-        assert await server_process.connect(None, None, again.append, address=address) == (root, tiny_checkpoint)
-        assert again == ["ready"]  # and still knows which checkpoint it loads
-        other = tiny_checkpoint.parent / "other-model"
-        _, known = await server_process.connect(None, other, again.append, address=address)
-        assert known == tiny_checkpoint and "not " + str(other) in again[-1]
+        again: list[str] = []  # a second app finds the running server instead of starting another
+        assert await server_process.connect(None, None, again.append, address=address) == root
+        assert await server_process.connect(None, tiny_checkpoint, again.append, address=address) == root
+        assert again == ["ready", "ready"]
+        other = tiny_checkpoint.parent / "other-model"  # asking for another checkpoint is an error, not a substitute
+        with pytest.raises(EndpointError, match=re.escape(f"serves {tiny_checkpoint.name} (tiny preset, RANDOM WEIGHTS")
+                           + ".*" + re.escape(f"not --model {other}")):
+            await server_process.connect(None, other, again.append, address=address)
+        card = httpx.get(root + "/v1/models").json()["data"][0]  # what a client that did not start it sees
+        assert server_process.model_label(card).endswith("RANDOM WEIGHTS: output is noise)")
+        assert server_process.has_random_weights(card)
+        assert not list(paths.data_dir().glob("serve-*.json"))  # no private record: /v1/models says it all
     finally:
         os.killpg(pid, signal.SIGTERM)
+
+
+def test_model_label_and_random_weights_from_other_servers(tiny_checkpoint, tmp_path):
+    from northcode.agent.server_process import has_random_weights, model_label
+
+    vllm = {"id": "qwen-coder", "root": "Qwen/Qwen2.5-Coder-7B-Instruct", "max_model_len": 32768}
+    assert model_label(vllm) == "qwen-coder" and not has_random_weights(vllm)
+    real = tmp_path / "North-Mini-Code-1.0"
+    real.mkdir()
+    (real / "config.json").write_text("{}")
+    assert model_label({"id": "x", "root": str(real)}) == "North-Mini-Code-1.0" and not has_random_weights({"root": str(real)})
+    assert has_random_weights({"id": "x", "root": str(tiny_checkpoint)})  # an older northcode serve: no flag
+    assert has_random_weights({"id": "x", "random_weights": True, "display_name": "far away"})
+    assert model_label({"id": "x", "display_name": "far away"}) == "far away"
 
 
 async def test_connect_to_a_dead_endpoint_fails_clearly():

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
-from agent_scripted_endpoint import ScriptedEndpoint, text_reply, tool_reply
+from agent_scripted_endpoint import ScriptedEndpoint, error_reply, text_reply, tool_reply
 
 from northcode.agent.approvals import Approvals, Decision, Mode
-from northcode.agent.client import ChatClient, EndpointError
+from northcode.agent.client import ChatClient, Delta, EndpointError
 from northcode.agent.loop import Agent, ToolEvent
 from northcode.agent.sandbox import Workspace
+from northcode.agent.sessions import SessionRecorder, SessionStore
 from northcode.agent.tools import ToolBox
 
 APP_PY = "def greet(name):\n    return 'hello ' + name\n\nprint(greet('world'))\n"
@@ -181,3 +183,99 @@ async def test_endpoint_errors_are_clear(workspace, tmp_path):
     agent, _ = make_agent(endpoint, workspace, tmp_path)  # the server is gone now
     with pytest.raises(EndpointError, match="cannot reach"):
         await agent.run_turn("hi")
+
+
+async def test_tool_calls_cut_off_by_the_token_limit_are_not_run(workspace, tmp_path):
+    """finish_reason "length" with tool calls: the arguments may be partial, so nothing runs; the
+    model is told, the turn stops with its own stop_reason, and the next turn's history is valid."""
+    partial_write = ("write", '{"filePath": "notes.txt", "content": "first line\\nsecond')
+    whole_but_cut = ("bash", {"command": "touch made_by_shell"})  # its JSON closed, but the reply was cut after it
+    replies = [tool_reply(whole_but_cut, partial_write, finish_reason="length", fragment_chars=3),
+               text_reply("I will write less at once.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, events = make_agent(endpoint, workspace, tmp_path, mode=Mode.FULL_AUTO)
+        result = await agent.run_turn("write notes")
+        assert result.stop_reason == "tool_call_truncated" and result.num_steps == 1
+        assert [call.name for call in result.truncated_calls] == ["bash", "write"]
+        assert len(endpoint.requests) == 1  # the turn stopped: no tool results were sent on their own
+        answer = await agent.run_turn("try again")  # the server accepts the history (it checks the arguments)
+        await agent.client.aclose()
+    assert sorted(p.name for p in workspace.root.iterdir()) == ["README.md", "src"]
+    assert answer.answer == "I will write less at once." and answer.stop_reason == "done"
+    history = endpoint.requests[1]["messages"]
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool", "tool", "user"]
+    calls = history[2]["tool_calls"]
+    assert calls[0]["function"]["arguments"] == '{"command": "touch made_by_shell"}'
+    assert calls[1]["function"]["arguments"] == "{}"  # partial JSON is kept out of the history...
+    for message in history[3:5]:
+        assert message["content"].startswith("Not run: your answer was cut off at the token limit")
+    assert history[4]["content"].endswith('The arguments as written: {"filePath": "notes.txt", "content": "first line\\nsecond')
+    results = [e for e in events if isinstance(e, ToolEvent) and e.output is not None]
+    assert [(e.call.name, e.ok) for e in results] == [("bash", False), ("write", False)]
+
+
+async def test_arguments_streamed_in_many_small_fragments_are_joined_by_index(workspace, tmp_path):
+    new_text = 'f"hello {name}, été \\ {{braces}} \\"quoted\\""'  # JSON escapes (\\\\, \\", \\u00e9) split across fragments
+    edit = {"filePath": "src/app.py", "oldString": "'hello ' + name", "newString": new_text}
+    read = {"filePath": "README.md"}
+    replies = [tool_reply(("edit", edit), ("read", read), fragment_chars=1), text_reply("Done.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, events = make_agent(endpoint, workspace, tmp_path, mode=Mode.AUTO_EDIT)
+        await agent.run_turn("rewrite the greeting")
+        await agent.client.aclose()
+    fragments = [e for e in events if isinstance(e, Delta) and e.kind == "tool_arguments"]
+    assert len(fragments) == len(json.dumps(edit)) + len(json.dumps(read))  # one character each
+    assert (workspace.root / "src" / "app.py").read_text() == APP_PY.replace("'hello ' + name", edit["newString"])
+    calls = endpoint.requests[1]["messages"][2]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [edit, read]
+    assert tool_outputs(endpoint, 1)[1].startswith("     1\t# demo")
+
+
+async def test_a_failed_request_takes_the_prompt_back_so_a_retry_is_not_doubled(workspace, tmp_path):
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    recorder = SessionRecorder(store, workspace.root, "m")
+    replies = [error_reply("the server is busy"), text_reply("Hello!")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, on_message=recorder.save, on_retract=recorder.retract)
+        with pytest.raises(EndpointError, match="the server is busy"):
+            await agent.run_turn("hi")
+        assert [m["role"] for m in agent.messages] == ["system"] and store.list() == []
+        result = await agent.run_turn("hi")  # the user sends it again
+        await agent.client.aclose()
+    assert result.answer == "Hello!"
+    assert [m["role"] for m in endpoint.requests[1]["messages"]] == ["system", "user"]
+    assert [m["role"] for m in store.messages(recorder.session_id)] == ["system", "user", "assistant"]
+    store.close()
+
+
+async def test_a_failed_second_turn_keeps_the_first_and_drops_only_its_prompt(workspace, tmp_path):
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    recorder = SessionRecorder(store, workspace.root, "m")
+    replies = [text_reply("one"), error_reply("overloaded"), text_reply("two")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, on_message=recorder.save, on_retract=recorder.retract)
+        await agent.run_turn("first")
+        with pytest.raises(EndpointError):
+            await agent.run_turn("second")
+        await agent.run_turn("second")
+        await agent.client.aclose()
+    roles = ["system", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in store.messages(recorder.session_id)] == roles
+    assert [m["role"] for m in endpoint.requests[2]["messages"]] == roles[:4]
+    assert store.list()[0].title == "first"
+    store.close()
+
+
+async def test_cancelled_before_any_reply_takes_the_prompt_back(workspace, tmp_path):
+    with ScriptedEndpoint([text_reply("late " * 50, delay_s=0.5), text_reply("ok")]) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path)
+        task = asyncio.create_task(agent.run_turn("hello"))
+        while not endpoint.requests:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [m["role"] for m in agent.messages] == ["system"]
+        await agent.run_turn("hello")
+        await agent.client.aclose()
+    assert [m["role"] for m in endpoint.requests[1]["messages"]] == ["system", "user"]

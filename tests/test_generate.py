@@ -17,16 +17,6 @@ from northcode.engine.tokenizer import Tokenizer
 PROMPT = "def fib(n):"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny models spend their time in per-op overhead, where a second OpenMP thread only adds
-    waits (5x slower on a busy 2-core machine); restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class RecordingStdout:
     """Stands in for sys.stdout and keeps every write, to see that text arrives in pieces."""
 

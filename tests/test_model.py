@@ -29,16 +29,6 @@ TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=16, prefix_dense_i
             rope_theta=50000.0, max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny models spend their time in per-op overhead, where a second OpenMP thread only adds
-    waits (5x slower on a busy 2-core machine); restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Canonical weights: every matrix ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1)."""
     generator = torch.Generator().manual_seed(seed)

@@ -60,16 +60,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny models spend their time in per-op overhead, where a second OpenMP thread only adds
-    waits (5x slower on a busy 2-core machine); restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build_reference(overrides: dict, seed: int = 0) -> Cohere2MoeForCausalLM:
     """A transformers model with non-degenerate random weights: every matrix ~ N(0, 1/fan_in), so
     attention, routers and experts all move the logits; norm weights ~ 1 + N(0, 0.1)."""

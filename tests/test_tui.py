@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from agent_scripted_endpoint import ScriptedEndpoint, prompt_tokens, text_reply, tool_reply
+from agent_scripted_endpoint import ScriptedEndpoint, error_reply, prompt_tokens, text_reply, tool_reply
 
 from northcode.agent.approvals import Mode
 from northcode.agent.sessions import SessionStore
@@ -241,10 +241,67 @@ def test_tui_command_rejects_bad_input_before_opening(tmp_path, capsys):
     assert main(["--endpoint", "ftp://x", str(tmp_path)]) == 2
 
 
-async def test_random_weights_are_said_plainly(workspace, store, tiny_checkpoint):
-    with ScriptedEndpoint([]) as endpoint:
-        app = NorthcodeApp(workspace, endpoint=endpoint.url, model=tiny_checkpoint, store=store)
+async def test_random_weights_are_said_plainly(workspace, store):
+    """The server's /v1/models says so (a server northcode did not start, on another machine)."""
+    card = {"root": "/models/far-away/demo-tiny-seed0", "random_weights": True,
+            "display_name": "demo-tiny-seed0 (tiny preset, RANDOM WEIGHTS: output is noise)"}
+    with ScriptedEndpoint([], model_card=card) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
         async with app.run_test(size=(140, 30)) as pilot:
             await until(pilot, lambda: app.agent is not None)
-            assert "RANDOM WEIGHTS: output is noise" in notices(app)[0]
-            assert app.query_one(StatusLine).render_text().startswith(f"{tiny_checkpoint.name} (RANDOM WEIGHTS) │")
+            assert notices(app)[0].startswith("demo-tiny-seed0 (tiny preset, RANDOM WEIGHTS: output is noise) · ")
+            warning = app.query(Notice)[1]
+            assert warning.has_class("warning") and "weights are random" in str(warning.render())
+            assert app.query_one(StatusLine).render_text().startswith("demo-tiny-seed0 (RANDOM WEIGHTS) │")
+
+
+async def test_real_weights_get_no_warning(workspace, store):
+    with ScriptedEndpoint([], model_card={"random_weights": False, "display_name": "North-Mini-Code-1.0"}) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(140, 30)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            assert not any("random" in n for n in notices(app))
+            assert app.query_one(StatusLine).render_text().startswith("North-Mini-Code-1.0 │")
+
+
+async def test_a_failed_prompt_sent_again_is_not_doubled(workspace, store):
+    with ScriptedEndpoint([error_reply("the server is busy"), text_reply("hello")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test() as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "hi there")
+            await until(pilot, lambda: not app.is_busy and any("the server is busy" in n for n in notices(app)))
+            assert app.query_one(PromptInput).text == "hi there"
+            await pilot.press("enter")  # send it again as it came back
+            await until(pilot, lambda: endpoint.finished == 1 and not app.is_busy)
+            session_id = app.session_id
+    assert [m["role"] for m in endpoint.requests[1]["messages"]] == ["system", "user"]
+    assert [m["role"] for m in store.messages(session_id)] == ["system", "user", "assistant"]
+
+
+async def test_escape_before_any_reply_gives_the_prompt_back(workspace, store):
+    with ScriptedEndpoint([text_reply("late " * 20, delay_s=1.0), text_reply("ok")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test() as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "hello")
+            await until(pilot, lambda: endpoint.requests)
+            await pilot.press("escape")
+            await until(pilot, lambda: not app.is_busy and any("back in the prompt" in n for n in notices(app)))
+            assert app.query_one(PromptInput).text == "hello" and [m["role"] for m in app.agent.messages] == ["system"]
+
+
+async def test_a_tool_call_cut_off_by_the_token_limit_is_shown_and_not_run(workspace, store):
+    cut = tool_reply(("write", '{"filePath": "new.py", "content": "import o'), finish_reason="length")
+    with ScriptedEndpoint([cut]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store, mode=Mode.FULL_AUTO)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "write new.py")
+            await until(pilot, lambda: not app.is_busy and endpoint.finished == 1)
+            await pilot.pause(0.1)
+            assert any("cut off at the token limit while the model was writing a call (write): nothing was run" in n
+                       for n in notices(app))
+            view = app.query_one(ToolCallView)
+            assert view.has_class("failed") and "Not run" in str(view.result.render())
+    assert not (workspace / "new.py").exists()

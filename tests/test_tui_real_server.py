@@ -42,7 +42,7 @@ async def test_prompt_streams_and_the_status_line_fills_in(server_url, app_facto
         message = app.query_one(AssistantMessage)
         assert message.body.source or message.reasoning_view.source  # noise, but streamed noise
         stats = app.query_one(StatusLine).stats
-        assert stats.model == "north-mini-code" and stats.context_window > 0
+        assert stats.model == f"{tiny_checkpoint.name} (RANDOM WEIGHTS)" and stats.context_window > 0
         assert stats.ttft_s > 0 and stats.tokens_per_s > 0 and 0 < stats.context_used <= stats.context_window
         assert stats.cache_share is not None and stats.kv_usage is not None
         text = app.query_one(StatusLine).render_text()

@@ -67,6 +67,19 @@ def test_start_screen(snap_compare, workspace, store):
         assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
+def test_start_screen_on_random_weights(snap_compare, workspace, store):
+    """What a new user sees first: the demo checkpoint, which the server says is random."""
+    card = {"root": "/data/northcode/models/demo-tiny-seed0", "random_weights": True,
+            "display_name": "demo-tiny-seed0 (tiny preset, RANDOM WEIGHTS: output is noise)"}
+    with ScriptedEndpoint([], model_card=card) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+
+        async def run_before(pilot):
+            await settle(pilot, lambda: app.agent is not None and len(app.query("Notice")) == 2)
+
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
 def test_chat_with_reasoning_and_code(snap_compare, workspace, store):
     with ScriptedEndpoint([text_reply(ANSWER, reasoning="The user wants an f-string.", cached_tokens=60)]) as endpoint:
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)

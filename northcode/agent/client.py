@@ -35,7 +35,7 @@ class ToolCall:
 
 @dataclass
 class Delta:
-    kind: str  # "reasoning" | "content" | "tool_call"
+    kind: str  # "reasoning" | "content" | "tool_call" (a call starts) | "tool_arguments" (a fragment of its arguments)
     text: str  # the fragment; for "tool_call" the tool's name
     elapsed_s: float  # since the request was sent
     num_chunks: int  # content-bearing chunks so far (a live proxy for generated tokens)
@@ -214,9 +214,14 @@ def _choice_fragments(choice: dict, assembler: _ToolCallAssembler) -> list[tuple
     if delta.get("content"):
         fragments.append(("content", delta["content"]))
     for call_delta in delta.get("tool_calls") or []:
+        if not isinstance(call_delta, dict):
+            continue
         name = assembler.add(call_delta)
         if name:
             fragments.append(("tool_call", name))
+        arguments = (call_delta.get("function") or {}).get("arguments")
+        if arguments:
+            fragments.append(("tool_arguments", arguments))
     return fragments
 
 
@@ -228,8 +233,11 @@ class _ToolCallAssembler:
 
     def add(self, call_delta: dict) -> str | None:
         """Adds one delta; returns the tool's name when this delta starts a call."""
-        index = call_delta.get("index", len(self.by_index))
         function = call_delta.get("function") or {}
+        index = call_delta.get("index")
+        if not isinstance(index, int):  # servers that leave out `index`: a fragment continues the last call
+            starts = call_delta.get("id") or function.get("name") or not self.by_index
+            index = len(self.by_index) if starts else max(self.by_index)
         started = index not in self.by_index
         call = self.by_index.setdefault(index, {"id": None, "name": "", "arguments": ""})
         call["id"] = call["id"] or call_delta.get("id")

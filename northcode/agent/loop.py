@@ -5,13 +5,16 @@ prompt, with AGENTS.md read once at the start, never changes), so every request 
 previous one as a prefix and the server's prefix cache serves it. A turn ends when the model
 answers without tool calls, or after `max_steps` model calls. A cancelled turn (Esc) still
 leaves a valid history: the partial answer is kept and unanswered tool calls get a
-"cancelled" result. Every appended message goes to `on_message` (the session store).
+"cancelled" result; a turn that got no reply at all takes its user message back. Tool calls
+cut off by the token limit are never run. Every appended message goes to `on_message` (the
+session store), every take-back to `on_retract`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +57,52 @@ class ToolEvent:
 class TurnResult:
     answer: str  # the last assistant text
     num_steps: int  # model calls in this turn
-    stop_reason: str  # "done" | "step_limit" | "length"
+    stop_reason: str  # "done" | "step_limit" | "length" | "tool_call_truncated" (see run_turn)
     last: Completion | None
+    usage: dict | None = None  # token counts summed over the turn's model calls
+
+    @property
+    def truncated_calls(self) -> list[ToolCall]:
+        """The calls cut off by the token limit (not run), when stop_reason is "tool_call_truncated"."""
+        return self.last.tool_calls if self.last and self.stop_reason == "tool_call_truncated" else []
+
+
+TRUNCATED_CALL_RESULT = ("Not run: your answer was cut off at the token limit (finish_reason \"length\") while you "
+                         "were writing the tool calls, so their arguments may be incomplete. Nothing was changed.")
+
+
+def sum_usage(total: dict | None, usage: dict | None) -> dict | None:
+    """OpenAI usage dicts added up (the token counts and their cached/reasoning details)."""
+    if not usage:
+        return total
+    total = dict(total or {})
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        if isinstance(usage.get(key), int):
+            total[key] = total.get(key, 0) + usage[key]
+    for group, key in (("prompt_tokens_details", "cached_tokens"), ("completion_tokens_details", "reasoning_tokens")):
+        value = (usage.get(group) or {}).get(key)
+        if isinstance(value, int):
+            total[group] = {key: (total.get(group) or {}).get(key, 0) + value}
+    return total
+
+
+def history_message(completion: Completion) -> dict:
+    """The assistant message to keep. A call whose arguments are not a JSON object (cut off, or
+    malformed) is kept with `{}`: OpenAI-compatible servers, northcode serve among them, refuse
+    such arguments in a request's history, and one bad call must not break every later request.
+    The tool result quotes what the model wrote instead."""
+    message = completion.to_message()
+    for call in message.get("tool_calls") or []:
+        if not arguments_are_an_object(call["function"]["arguments"]):
+            call["function"]["arguments"] = "{}"
+    return message
+
+
+def arguments_are_an_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 class Agent:
@@ -64,6 +111,7 @@ class Agent:
     def __init__(self, client: ChatClient, toolbox: ToolBox, approvals: Approvals,
                  messages: list[dict] | None = None, max_steps: int = DEFAULT_MAX_STEPS,
                  use_tools: bool = True, on_message: Callable[[dict], None] | None = None,
+                 on_retract: Callable[[int], None] | None = None,
                  on_event: Callable[[Delta | Completion | ToolEvent], None | Awaitable[None]] | None = None,
                  request_params: dict | None = None) -> None:
         if max_steps < 1:
@@ -71,6 +119,7 @@ class Agent:
         self.client, self.toolbox, self.approvals = client, toolbox, approvals
         self.max_steps, self.use_tools = max_steps, use_tools
         self.on_message = on_message or (lambda message: None)
+        self.on_retract = on_retract or (lambda num_messages: None)  # messages from this index on were taken back
         self.on_event = on_event or (lambda event: None)
         self.request_params = request_params or {}
         self.messages: list[dict] = list(messages or [])
@@ -88,16 +137,45 @@ class Agent:
         self.on_message(message)
 
     async def run_turn(self, user_text: str) -> TurnResult:
-        """Send one user message and work until the model stops calling tools (or the step limit)."""
+        """Send one user message and work until the model stops calling tools (or the step limit).
+
+        If the request fails or is cancelled before anything comes back, the user message is taken
+        back out of the history (and the session), so sending it again does not repeat it.
+        A reply cut off by the token limit while it calls tools ends the turn with stop_reason
+        "tool_call_truncated": the calls are not run (their arguments may be partial) and each
+        gets a tool result that says so, which keeps the history valid for the next turn.
+        """
+        num_before = len(self.messages)
         self._append({"role": "user", "content": user_text})
+        try:
+            return await self._work()
+        except (asyncio.CancelledError, EndpointError):
+            if len(self.messages) == num_before + 1:  # no reply at all: take the prompt back
+                del self.messages[num_before:]
+                self.on_retract(num_before)
+            raise
+
+    async def _work(self) -> TurnResult:
         completion: Completion | None = None
+        usage: dict | None = None
         for step_idx in range(self.max_steps):
             completion = await self._model_step()
+            usage = sum_usage(usage, completion.usage)
             if not completion.tool_calls:
                 reason = "length" if completion.finish_reason == "length" else "done"
-                return TurnResult(completion.content, step_idx + 1, reason, completion)
+                return TurnResult(completion.content, step_idx + 1, reason, completion, usage)
+            if completion.finish_reason == "length":
+                await self._refuse_truncated(completion.tool_calls)
+                return TurnResult(completion.content, step_idx + 1, "tool_call_truncated", completion, usage)
             await self._run_tools(completion.tool_calls)
-        return TurnResult(completion.content if completion else "", self.max_steps, "step_limit", completion)
+        return TurnResult(completion.content if completion else "", self.max_steps, "step_limit", completion, usage)
+
+    async def _refuse_truncated(self, calls: list[ToolCall]) -> None:
+        for call in calls:
+            output = TRUNCATED_CALL_RESULT + _quote_arguments(call.arguments)
+            await self._emit(ToolEvent(call, None))
+            await self._emit(ToolEvent(call, None, output, ok=False))
+            self._append({"role": "tool", "tool_call_id": call.id, "content": output})
 
     async def _model_step(self) -> Completion:
         tools = TOOL_SCHEMAS if self.use_tools else None
@@ -114,7 +192,7 @@ class Agent:
             if partial.content or partial.reasoning:  # keep what the user saw; the history stays valid
                 self._append(Completion(partial.content, partial.reasoning).to_message())
             raise
-        self._append(partial.to_message())
+        self._append(history_message(partial))
         return partial
 
     async def _run_tools(self, calls: list[ToolCall]) -> None:
@@ -134,8 +212,11 @@ class Agent:
         try:
             prepared = self.toolbox.prepare(call.name, call.arguments)
         except ToolError as err:
-            await self._emit(ToolEvent(call, None, f"Error: {err}", ok=False))
-            return f"Error: {err}"
+            output = f"Error: {err}"
+            if not arguments_are_an_object(call.arguments):  # the history keeps `{}`: show what was written
+                output += _quote_arguments(call.arguments)
+            await self._emit(ToolEvent(call, None, output, ok=False))
+            return output
         await self._emit(ToolEvent(call, prepared))
         allowed, reason = await self.approvals.decide(prepared)
         if not allowed:
@@ -147,3 +228,8 @@ class Agent:
                 output, ok = f"Error: {err}", False
         await self._emit(ToolEvent(call, prepared, output, ok))
         return output
+
+
+def _quote_arguments(arguments: str, max_chars: int = 300) -> str:
+    shown = arguments if len(arguments) <= max_chars else arguments[:max_chars] + "…"
+    return f"\nThe arguments as written: {shown}"

@@ -4,13 +4,14 @@ One engine process owns the GPU, so the app never loads a model itself: it probe
 http://127.0.0.1:8000/health (or the --endpoint given), and when nothing answers it starts
 `northcode serve` as a detached process (its log in the data directory) that outlives the app,
 the way `ollama run` starts `ollama serve`. While the server loads, /health answers 503 with
-the loading phase; `wait_until_ready` reports each new phase through a callback.
+the loading phase; `wait_until_ready` reports each new phase through a callback. What the
+server serves comes from its /v1/models entry (`root`, `display_name`, `random_weights`), so a
+server northcode did not start is described as well as one it did.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -76,23 +77,10 @@ def serve_log_path() -> Path:
     return paths.data_dir() / "serve.log"
 
 
-def _record_path(port: int) -> Path:
-    return paths.data_dir() / f"serve-{port}.json"  # which model the server northcode started there loads
-
-
-def _recorded_model(port: int) -> Path | None:
-    """The model folder of the server northcode started on `port`, if that process still runs."""
-    try:
-        record = json.loads(_record_path(port).read_text())
-        os.kill(int(record["pid"]), 0)
-        return Path(record["model"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def start_server(model: Path | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> subprocess.Popen:
     """Start `northcode serve` detached (its own session: it keeps running after the app exits)."""
-    command = [sys.executable, "-m", "northcode.cli", "serve", "--host", host, "--port", str(port)]
+    command = [sys.executable, "-m", "northcode.cli", "serve", "--host", host, "--port", str(port),
+               "--log-level", "warning"]  # not every /health and /metrics poll of the app
     if model is not None:
         command += ["--model", str(model)]
     log = open(serve_log_path(), "ab")
@@ -100,8 +88,7 @@ def start_server(model: Path | None, host: str = DEFAULT_HOST, port: int = DEFAU
     log.flush()
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    model_dir = model if model is not None else paths.demo_checkpoint_dir()
-    _record_path(port).write_text(json.dumps({"pid": process.pid, "model": str(model_dir)}))
+    log.close()  # the child has its own copy of the descriptor
     return process
 
 
@@ -113,9 +100,10 @@ def _log_tail(num_lines: int = 15) -> str:
 
 
 async def connect(endpoint: str | None, model: Path | None, on_phase: Callable[[str], None],
-                  timeout_s: float = STARTUP_TIMEOUT_S, address: str = DEFAULT_ENDPOINT) -> tuple[str, Path | None]:
-    """The endpoint root to use, ready to serve (the given one, a running northcode serve, or a new
-    one), and the checkpoint folder that server loads when northcode started it (now or earlier)."""
+                  timeout_s: float = STARTUP_TIMEOUT_S, address: str = DEFAULT_ENDPOINT) -> str:
+    """The endpoint root to use, ready to serve: the given one, the northcode serve running at
+    `address`, or a new one started there. When `model` is asked for (and no endpoint), a
+    running server that serves another checkpoint is an error, not a silent substitute."""
     root, _ = split_endpoint(endpoint or address)
     port = int(root.rsplit(":", 1)[-1]) if root.count(":") == 2 else 80
     async with httpx.AsyncClient() as http:
@@ -125,15 +113,40 @@ async def connect(endpoint: str | None, model: Path | None, on_phase: Callable[[
             if endpoint is not None:
                 raise EndpointError(f"--endpoint {endpoint}: {health.phase}")
             host = root.removeprefix("http://").split(":")[0]
+            creates_demo = model is None and not (paths.demo_checkpoint_dir() / "config.json").is_file()
             process = start_server(model, host, port)
             on_phase(f"started northcode serve on {root} (pid {process.pid}, log {serve_log_path()})")
+            if creates_demo:  # the server makes it before it listens: say what the wait is for
+                on_phase(f"creating the demo checkpoint (random weights) in {paths.demo_checkpoint_dir()}…")
         await wait_until_ready(root, http, on_phase, process, timeout_s)
-    if endpoint is not None:
-        return root, model
-    recorded = _recorded_model(port)
-    if model is not None and recorded is not None and recorded.resolve() != model.resolve():
-        on_phase(f"the running server loads {recorded}, not {model}: stop it to switch models")
-    return root, recorded or model
+        if endpoint is None and model is not None:
+            await check_served_model(root, http, model, port)
+    return root
+
+
+async def check_served_model(root: str, http: httpx.AsyncClient, model: Path, port: int) -> None:
+    """EndpointError when the server at `root` says (vLLM's `root` field of /v1/models) that it
+    serves a checkpoint folder other than `model`; silent when it does not say."""
+    try:
+        response = await http.get(root + "/v1/models", timeout=5.0)
+        cards = response.json().get("data") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return
+    folders = [card["root"] for card in cards or [] if isinstance(card, dict) and isinstance(card.get("root"), str)]
+    if not folders or any(_same_folder(folder, model) for folder in folders):
+        return
+    card = next(card for card in cards if card.get("root") == folders[0])
+    raise EndpointError(
+        f"the server running at {root} serves {model_label(card)} from {folders[0]}, not --model {model}. "
+        f"One server owns the GPU: stop that one to load {model.name} (it is the process listening on port {port}: "
+        f"`lsof -ti tcp:{port} -s tcp:listen` prints its pid), or leave out --model to use it.")
+
+
+def _same_folder(served: str, model: Path) -> bool:
+    try:
+        return Path(served).resolve() == model.expanduser().resolve()
+    except OSError:
+        return False
 
 
 async def wait_until_ready(root: str, http: httpx.AsyncClient, on_phase: Callable[[str], None],
@@ -157,12 +170,22 @@ async def wait_until_ready(root: str, http: httpx.AsyncClient, on_phase: Callabl
         await asyncio.sleep(0.25)
 
 
-def model_label(card: dict, model: Path | None) -> str:
-    """The model's name as the app shows it: from the checkpoint folder when known (which says
-    plainly when the weights are random), else the id the endpoint serves it under."""
+def model_label(card: dict) -> str:
+    """The model's name as the app shows it, from its /v1/models entry: the server's
+    `display_name` (northcode serve's says plainly when the weights are random), else the name of
+    the checkpoint folder in `root` when it is on this machine, else the id it is served under."""
+    display_name = card.get("display_name")
+    if isinstance(display_name, str) and display_name.strip():
+        return display_name.strip()
     root = card.get("root")
     if isinstance(root, str) and (Path(root) / "config.json").is_file():  # vLLM's field: the model's path
         return paths.model_display_name(root)
-    if model is not None:
-        return paths.model_display_name(model)
     return str(card.get("id"))
+
+
+def has_random_weights(card: dict) -> bool:
+    """Whether the served checkpoint is a demo or synthetic one (its answers are noise)."""
+    if card.get("random_weights") is True:
+        return True
+    root = card.get("root")
+    return isinstance(root, str) and (Path(root) / "config.json").is_file() and paths.synthetic_info(root) is not None

@@ -70,6 +70,17 @@ class SessionStore:
                 self.db.execute("UPDATE sessions SET title = ? WHERE id = ? AND title = '(new session)'",
                                 (title or "(new session)", session_id))
 
+    def truncate(self, session_id: str, num_messages: int) -> None:
+        """Delete the session's messages from index `num_messages` on (a prompt taken back); a
+        session left without a user message is deleted whole."""
+        self._require(session_id)
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE session_id = ? AND message_idx >= ?", (session_id, num_messages))
+            remaining = [json.loads(body) for (body,) in self.db.execute(
+                "SELECT body FROM messages WHERE session_id = ?", (session_id,))]
+            if not any(m.get("role") == "user" for m in remaining):
+                self.db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+
     def messages(self, session_id: str) -> list[dict]:
         self._require(session_id)
         rows = self.db.execute("SELECT body FROM messages WHERE session_id = ? ORDER BY message_idx", (session_id,))
@@ -116,3 +127,17 @@ class SessionRecorder:
             for earlier in self.unsaved:
                 self.store.append(self.session_id, earlier)
             self.unsaved = []
+
+    def retract(self, num_messages: int) -> None:
+        """The conversation was cut back to its first `num_messages` messages (see Agent.on_retract)."""
+        if self.session_id is None:
+            del self.unsaved[num_messages:]
+            return
+        try:
+            kept = self.store.messages(self.session_id)[:num_messages]
+            self.store.truncate(self.session_id, num_messages)
+        except ValueError:  # the session was deleted meanwhile (from the sessions list)
+            self.session_id, self.unsaved = None, []
+            return
+        if not any(m.get("role") == "user" for m in kept):  # the store deleted the session: start over unsaved
+            self.session_id, self.unsaved = None, kept

@@ -58,6 +58,32 @@ def paged_cache(config: ModelConfig, lengths: list[int], extra_steps: int, devic
     return PagedCache(k_pool, v_pool, tables.to(device), list(lengths))
 
 
+def row_history(config: ModelConfig, cache: PagedCache, row: int, extra_steps: int) -> tuple[list, list]:
+    """One row's K and V per layer, contiguous: [length + extra_steps, KVH, D] bf16 each, positions behind a
+    window (never read) zero, positions >= length zero until a test writes them."""
+    length = cache.lengths[row]
+    needed = math.ceil(length / PAGE_SIZE)
+    keys, values = [], []
+    for layer in range(config.num_hidden_layers):
+        page_ids = cache.block_tables[layer, row, :needed].long()
+        mapped = (page_ids >= 0)[:, None, None, None]
+        for pool, out in ((cache.k_pool, keys), (cache.v_pool, values)):
+            full = torch.zeros((length + extra_steps, config.num_key_value_heads, config.head_dim),
+                               dtype=pool.dtype, device=pool.device)
+            gathered = torch.where(mapped, pool[page_ids.clamp(min=0)], 0)  # [needed, 64, KVH, D]
+            full[:length] = gathered.flatten(0, 1)[:length]
+            out.append(full)
+    return keys, values
+
+
+def write_kv(cache: PagedCache, row: int, position: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Overwrite the row's K/V at `position` in every layer's page: keys, values [L, KVH, D]."""
+    for layer in range(keys.shape[0]):
+        page = int(cache.block_tables[layer, row, position // PAGE_SIZE])
+        cache.k_pool[page, position % PAGE_SIZE] = keys[layer].to(cache.k_pool.dtype)
+        cache.v_pool[page, position % PAGE_SIZE] = values[layer].to(cache.v_pool.dtype)
+
+
 def contiguous_caches(model, cache: PagedCache, extra_steps: int) -> list:
     """One model.KVCache per row holding the paged K/V (positions behind a window, never read, are
     zero), with room for extra_steps appends so that decoding never reallocates."""

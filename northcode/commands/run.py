@@ -4,7 +4,8 @@ The final answer goes to stdout (or, with --json, one JSON transcript: the messa
 answer, why the run stopped, token usage); progress (server start-up, tool calls) goes to
 stderr. No one can answer approval questions here, so calls that would ask are denied and the
 model is told why: pick --mode auto-edit or full-auto to let it edit or run commands.
-Exit codes: 0 done, 1 the endpoint failed, 2 bad input, 3 step limit reached, 130 interrupted.
+Exit codes: 0 done, 1 the endpoint failed, 2 bad input, 3 step limit reached, 4 the answer was
+cut off by the token limit inside a tool call (which was not run), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 HELP = "run the agent headless on a task: northcode run -p 'task'"
-EXIT_OK, EXIT_ENDPOINT, EXIT_STEP_LIMIT = 0, 1, 3
+EXIT_OK, EXIT_ENDPOINT, EXIT_STEP_LIMIT, EXIT_TRUNCATED_CALL = 0, 1, 3, 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +75,7 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
     from northcode.agent.client import ChatClient, EndpointError
     from northcode.agent.loop import Agent
     from northcode.agent.sandbox import Workspace
-    from northcode.agent.server_process import connect, model_label
+    from northcode.agent.server_process import connect, has_random_weights, model_label
     from northcode.agent.sessions import SessionRecorder, SessionStore
     from northcode.agent.tools import ToolBox
 
@@ -84,22 +85,23 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
     session_id = _session_to_continue(args, store, workspace.root)  # bad ids fail before any server starts
     transcript: dict = {"workspace": str(workspace.root), "mode": args.mode, "ok": False, "error": None}
     try:
-        root, known_model = await connect(args.endpoint, model_dir,
-                                          lambda phase: _progress(f"northcode run: server {phase}"))
+        root = await connect(args.endpoint, model_dir, lambda phase: _progress(f"northcode run: server {phase}"))
         client = ChatClient(root)
         served = await client.resolve_model()
         card = next((m for m in await client.list_models() if m.get("id") == served), {"id": served})
     except EndpointError as err:
         transcript["error"] = str(err)
         return EXIT_ENDPOINT, transcript
-    label = model_label(card, known_model)
+    label = model_label(card)
     _progress(f"northcode run: {label} at {root}, workspace {workspace.root}, mode {args.mode}")
+    if has_random_weights(card):
+        _progress("northcode run: the model's weights are random: expect noise, not an answer (use --model DIR)")
     history = store.messages(session_id) if session_id else None
     recorder = SessionRecorder(store, workspace.root, served, session_id)
     params = {"max_tokens": args.max_tokens} if args.max_tokens else {}
     toolbox = ToolBox(workspace, paths.data_dir() / "tool-output")
     agent = Agent(client, toolbox, Approvals(Mode.parse(args.mode), ask=None), messages=history, max_steps=args.max_steps,
-                  on_message=recorder.save, on_event=_on_event, request_params=params)
+                  on_message=recorder.save, on_retract=recorder.retract, on_event=_on_event, request_params=params)
     transcript.update(model=served, model_label=label, endpoint=root)
     try:
         result = await agent.run_turn(prompt)
@@ -110,12 +112,21 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
         await client.aclose()
         store.close()
     transcript["session_id"] = recorder.session_id
-    transcript.update(ok=result.stop_reason != "step_limit", answer=result.answer, stop_reason=result.stop_reason,
-                      num_steps=result.num_steps, usage=result.last.usage if result.last else None,
+    transcript.update(ok=result.stop_reason in ("done", "length"), answer=result.answer,
+                      stop_reason=result.stop_reason, num_steps=result.num_steps, usage=result.usage,
                       messages=agent.messages)
+    if result.stop_reason == "length":
+        _progress("northcode run: the answer was cut off at the token limit"
+                  + ("" if args.max_tokens is None else f" (--max-tokens {args.max_tokens})"))
     if result.stop_reason == "step_limit":
         transcript["error"] = f"stopped at the step limit ({args.max_steps} model calls) before an answer"
         return EXIT_STEP_LIMIT, transcript
+    if result.stop_reason == "tool_call_truncated":
+        names = ", ".join(call.name or "?" for call in result.truncated_calls)
+        transcript["error"] = (f"the answer was cut off at the token limit while the model was writing a tool call "
+                               f"({names}); nothing was run" + ("" if args.max_tokens is None else
+                                                                 f" (--max-tokens {args.max_tokens})"))
+        return EXIT_TRUNCATED_CALL, transcript
     return EXIT_OK, transcript
 
 

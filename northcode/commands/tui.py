@@ -8,6 +8,7 @@ the background (which keeps running after the app exits, like `ollama serve`). W
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 HELP = "the terminal app for chat and agent sessions (the default)"
@@ -51,4 +52,10 @@ def run(args: argparse.Namespace) -> int:
     app = NorthcodeApp(workspace.root, endpoint=args.endpoint, model=model_dir, mode=Mode.parse(args.mode),
                        resume=resume, store=store)
     app.run()
+    if app.session_id is not None:
+        print(f"northcode: session {app.session_id} saved; `northcode -c` resumes it")
+    if app.started_server is not None:  # "started northcode serve on URL (pid N, log FILE)"
+        pid = re.search(r"\(pid (\d+)", app.started_server)
+        print(f"northcode: {app.started_server.removeprefix('started ')} keeps running"
+              + (f"; `kill {pid.group(1)}` stops it" if pid else ""))
     return 0

@@ -9,16 +9,18 @@
 //   on tasks of strictly earlier waves, so the lists cannot deadlock.
 //   Matrix products: mma.sync m16n8k16 (bf16 in, fp32 accumulate), the weight is the 16-row A
 //   operand, the batch rows are the 8 columns of B. Routed experts come from device-side queues.
-//   Geometry is compile-time (-DNC_HIDDEN=... from megakernel.py); target sm_90a; no PyTorch
-//   headers. ABI: nc_* functions below; one Params struct by pointer; NC_ABI_VERSION.
+//   Geometry is compile-time (-DNC_HIDDEN=... from megakernel.py): every per-layer shape; the depth
+//   is not (the task lists carry the layers), so one build serves a model and its shallow test copies.
+//   Target sm_90a; no PyTorch headers. ABI: nc_* functions below; one Params struct by pointer;
+//   NC_ABI_VERSION.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include <stdio.h>
 
-#define NC_ABI_VERSION 2
+#define NC_ABI_VERSION 3
 
-#if !defined(NC_HIDDEN) || !defined(NC_LAYERS) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
+#if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
     !defined(NC_EXPERT_WIDTH) || !defined(NC_DENSE_WIDTH)
 #error "geometry: build through northcode/engine/megakernel.py, which passes -DNC_HIDDEN=... etc."
@@ -43,7 +45,6 @@
 typedef __nv_bfloat16 bf16;
 
 constexpr int kHidden = NC_HIDDEN;            // H
-constexpr int kLayers = NC_LAYERS;
 constexpr int kHeads = NC_HEADS;              // query heads
 constexpr int kKvHeads = NC_KV_HEADS;
 constexpr int kHeadDim = NC_HEAD_DIM;         // D
@@ -73,7 +74,7 @@ static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
 // Mirrors northcode/engine/megakernel.py TaskType.
 enum TaskType : int {
   TASK_STOP = 0,
-  TASK_NORM = 1,        // arg0 row: (embed on layer 0) residual round, norm -> h
+  TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
   TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
   TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
@@ -167,6 +168,9 @@ struct Params {
   float norm_eps;
   float logit_scale;
   long long timeout_ns;                  // a wait longer than this aborts the step (status TIMEOUT)
+  // whole-step checks (null: off): what each NORM reads, what each ROUTER computes
+  float* trace_x;                        // [layers + 1, 8, H] the bf16-rounded residual layer l reads (l = layers: final norm)
+  float* trace_router;                   // [layers, 8, E] router logits (bf16-rounded, as router_logits)
 };
 
 // ====  3. Device helpers  ======================================================================
@@ -382,16 +386,19 @@ __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int
 
 // ====  4. Task: NORM  ==========================================================================
 //   One row: on layer 0 the residual is the embedding of tokens[row]; on later layers it is rounded
-//   to bf16 (the reference keeps the residual in bf16). h = norm(x) * weight in bf16. layer ==
-//   NC_LAYERS is the final norm. Inputs: x [8, H] (fp32). Outputs: x, h [8, H].
+//   to bf16 (the reference keeps the residual in bf16). h = norm(x) * weight in bf16. arg1 != 0: the
+//   final norm (t.layer = the number of layers). Inputs: x [8, H] (fp32). Outputs: x, h [8, H], and
+//   the rounded residual into trace_x[t.layer] when tracing.
 __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
   constexpr int kPer = (kHidden + kThreads - 1) / kThreads;
   float* scratch = reinterpret_cast<float*>(smem);
   const int row = t.arg[0], layer = t.layer;
+  const bool final_norm = t.arg[1] != 0, embed = layer == 0 && !final_norm;
   float* xr = p.x + (size_t)row * kHidden;
-  const bf16* weight = layer == kLayers ? p.final_norm : layer_ptr(p, layer, LP_NORM);
+  float* trace = p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + row) * kHidden : nullptr;
+  const bf16* weight = final_norm ? p.final_norm : layer_ptr(p, layer, LP_NORM);
   int token = 0;
-  if (layer == 0) {
+  if (embed) {
     token = __ldcg(p.tokens + row);
     if (token < 0 || token >= kVocab) {
       if (threadIdx.x == 0) report(p, NC_ERR_BAD_TOKEN, row, token);
@@ -405,8 +412,9 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
     const int i = threadIdx.x + j * kThreads;
     v[j] = 0.f;
     if (i < kHidden) {
-      v[j] = layer == 0 ? to_f(p.embed[(size_t)token * kHidden + i]) : bf16_round(__ldcg(xr + i));
+      v[j] = embed ? to_f(p.embed[(size_t)token * kHidden + i]) : bf16_round(__ldcg(xr + i));
       xr[i] = v[j];
+      if (trace) trace[i] = v[j];
       sum += v[j];
     }
   }
@@ -683,7 +691,10 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
     const int valid[1] = {min(16, kExperts - tile * 16)};
     mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
-    if (i < 128 && b < p.batch_size && e < kExperts) p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
+    if (i < 128 && b < p.batch_size && e < kExperts) {
+      p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
+      if (p.trace_router) p.trace_router[((size_t)t.layer * kMaxBatch + b) * kExperts + e] = bf16_round(s.out[i]);
+    }
   }
 }
 
@@ -1113,7 +1124,7 @@ extern "C" int nc_task_size(void) { return (int)sizeof(Task); }
 extern "C" int nc_row_size(void) { return (int)sizeof(RowState); }
 // Writes the compile-time geometry into out[0..n) (order: megakernel.py GEOMETRY_FIELDS); returns the count.
 extern "C" int nc_geometry(int* out, int n) {
-  const int g[] = {kHidden, kLayers, kHeads, kKvHeads, kHeadDim, kVocab, kExperts, kTopK, kExpertWidth,
+  const int g[] = {kHidden, kHeads, kKvHeads, kHeadDim, kVocab, kExperts, kTopK, kExpertWidth,
                    kDenseWidth, kMaxBatch, kMaxSplits, NC_RMS_NORM, NC_SELECT_SIGMOID, NC_NORM_TOPK};
   const int count = (int)(sizeof(g) / sizeof(g[0]));
   for (int i = 0; i < n && i < count; ++i) out[i] = g[i];

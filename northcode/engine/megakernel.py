@@ -32,10 +32,10 @@ __all__ = ["Megakernel", "MegakernelBackend", "RowSpec", "Schedule", "TaskType",
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
            "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS", "WAVE_ORDERS"]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "megakernel.cu"
 NVCC_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_LAYERS", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
+GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
                    "NC_TOPK", "NC_EXPERT_WIDTH", "NC_DENSE_WIDTH", "NC_MAX_BATCH", "NC_MAX_SPLITS", "NC_RMS_NORM",
                    "NC_SELECT_SIGMOID", "NC_NORM_TOPK")
 FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
@@ -74,8 +74,9 @@ def unsupported_reason(config: ModelConfig) -> str | None:
 
 
 def geometry(config: ModelConfig) -> dict[str, int]:
-    """The -D defines that fix the kernel's geometry (order: GEOMETRY_FIELDS)."""
-    values = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+    """The -D defines that fix the kernel's geometry (order: GEOMETRY_FIELDS): every per-layer shape, not the
+    depth (the task lists carry the layers), so a shallow copy of a model shares its build."""
+    values = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
               config.head_dim, config.vocab_size, config.num_experts, config.num_experts_per_tok,
               config.intermediate_size, config.dense_intermediate_size, MAX_BATCH, MAX_SPLITS,
               int(config.uses_rms_norm), int(config.expert_selection_fn == "sigmoid"), int(config.norm_topk_prob))
@@ -134,7 +135,8 @@ class Params(ctypes.Structure):
                 ("num_blocks", _I32), ("batch_size", _I32), ("counters", _U64), ("num_counters", _I32),
                 ("flags", _I32), ("rows", _U64), ("tokens", _U64), ("status", _U64),
                 *[(name, _U64) for name in SCRATCH_FIELDS], ("profile", _U64),
-                ("norm_eps", _F32), ("logit_scale", _F32), ("timeout_ns", _I64)]
+                ("norm_eps", _F32), ("logit_scale", _F32), ("timeout_ns", _I64), ("trace_x", _U64),
+                ("trace_router", _U64)]
 
 
 ROW_FORMAT = "<iiiiQffff"  # RowState: position, seq, step, top_k, seed, temperature, top_p, min_p, pad
@@ -207,6 +209,7 @@ class Megakernel:
         self._schedules: dict[tuple, Schedule] = {}
         self.wave_order, self.qkv_tiles = "attention-first", 1  # schedule variants (bench --variants)
         self.params.flags = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
+        self.trace_x = self.trace_router = None  # enable_trace() allocates them
         row_bytes = MAX_BATCH * struct.calcsize(ROW_FORMAT)
         self._rows_host = [torch.zeros(row_bytes, dtype=torch.uint8).pin_memory() for _ in range(4)]
         self._rows_copied = [torch.cuda.Event() for _ in range(4)]  # a pinned buffer is rewritten only after its copy
@@ -337,6 +340,18 @@ class Megakernel:
         finally:
             self.params.profile = 0
         return summarize_profile(schedule.tasks.cpu(), schedule.task_start.cpu(), times.cpu())
+
+    def enable_trace(self, on: bool = True) -> None:
+        """Record, each step, the residual every layer reads (`trace_x` [L + 1, 8, H] fp32, row L: the final
+        norm's input) and every layer's router logits (`trace_router` [L, 8, E]) for the whole-step checks."""
+        c = self.config
+        if on:
+            self.trace_x = torch.zeros(c.num_hidden_layers + 1, MAX_BATCH, c.hidden_size, device=self.device)
+            self.trace_router = torch.zeros(c.num_hidden_layers, MAX_BATCH, c.num_experts, device=self.device)
+            self.params.trace_x, self.params.trace_router = self.trace_x.data_ptr(), self.trace_router.data_ptr()
+        else:
+            self.params.trace_x = self.params.trace_router = 0
+            self.trace_x = self.trace_router = None
 
     def check(self) -> None:
         """Synchronise and raise RuntimeError if the last step failed on the device (then reset the status)."""

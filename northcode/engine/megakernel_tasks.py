@@ -149,7 +149,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
                       for t in range(oproj_tiles)])
         previous = ((oproj_done, oproj_tiles), (mlp_done, mlp_target))
     final_done, lm_done = counters.alloc(), counters.alloc()
-    waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b,), previous, final_done) for b in range(batch)])
+    waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
     per_task = max(1, math.ceil(lm_tiles / (2 * num_blocks)))
     starts = list(range(0, lm_tiles, per_task))

@@ -23,7 +23,7 @@ from northcode import paths
 from northcode.agent import server_process
 from northcode.agent.approvals import Approvals, Decision, Mode
 from northcode.agent.client import ChatClient, Completion, Delta, EndpointError
-from northcode.agent.loop import Agent, ToolEvent
+from northcode.agent.loop import Agent, ToolEvent, TurnResult
 from northcode.agent.mentions import expand_mentions
 from northcode.agent.metrics import kv_usage
 from northcode.agent.sandbox import Workspace
@@ -34,6 +34,8 @@ from northcode.tui.slash import SlashCommands
 from northcode.tui.widgets import AssistantMessage, Notice, PromptInput, StatusLine, ToolCallView, UserMessage
 
 log = logging.getLogger(__name__)
+RANDOM_WEIGHTS_NOTICE = ("This model's weights are random (a demo or synthetic checkpoint): its answers are noise, "
+                         "and it will rarely call a tool. Start northcode with --model DIR for a real model.")
 
 
 def context_window(models: list[dict], model_id: str) -> int | None:
@@ -80,6 +82,7 @@ class NorthcodeApp(App):
         self.tool_views: dict[str, ToolCallView] = {}
         self.stream_start: tuple[float, int] | None = None  # (elapsed_s, num_chunks) at the first fragment
         self.slash = SlashCommands(self)
+        self.started_server: str | None = None  # "started northcode serve on URL (pid N, log FILE)"
 
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="chat")
@@ -122,13 +125,14 @@ class NorthcodeApp(App):
         kept: list[str] = []  # "started northcode serve on URL (pid N, log FILE)" and warnings stay on screen
 
         def on_phase(phase: str) -> None:
-            if phase.startswith(("started", "the running server")):
+            if phase.startswith("started"):
+                self.started_server = phase
                 kept.append(phase)
             progress.update(f"model server: {phase}")
             self.status.show(busy="" if phase.startswith("ready") else "loading…")
 
         try:
-            root, known_model = await server_process.connect(self.endpoint, self.model_dir, on_phase)
+            root = await server_process.connect(self.endpoint, self.model_dir, on_phase)
             self.client = ChatClient(root)
             served = await self.client.resolve_model()
             self.models = await self.client.list_models()
@@ -138,13 +142,16 @@ class NorthcodeApp(App):
             progress.set_classes("notice error")
             return
         card = next((m for m in self.models if m.get("id") == served), {"id": served})
-        self.model_label = server_process.model_label(card, known_model)
-        short_label = self.model_label.split(" (")[0] + " (RANDOM WEIGHTS)" if "RANDOM WEIGHTS" in self.model_label \
+        self.model_label = server_process.model_label(card)
+        random_weights = server_process.has_random_weights(card)
+        short_label = self.model_label.split(" (")[0] + " (RANDOM WEIGHTS)" if random_weights \
             else self.model_label  # the welcome line has the whole name; the status line has little room
         self.status.show(model=short_label, context_window=context_window(self.models, served), busy="")
         progress.update(f"{self.model_label} · workspace {self.workspace.root.name} · /help for keys and commands")
         for note in kept:
-            await self.add(Notice(note + ("; it keeps running after you quit" if note.startswith("started") else "")))
+            await self.add(Notice(note + "; it keeps running after you quit"))
+        if random_weights:
+            await self.add(Notice(RANDOM_WEIGHTS_NOTICE, "warning"))
         await self.refresh_metrics()
         if self.resume_id:
             await self.resume(self.resume_id)
@@ -167,7 +174,8 @@ class NorthcodeApp(App):
         assert self.client is not None
         self.recorder = SessionRecorder(self.store, self.workspace.root, self.client.model or "", session_id)
         self.agent = Agent(self.client, self.toolbox, self.approvals, messages=messages, on_message=self.recorder.save,
-                           on_event=self.on_agent_event, request_params=self.request_params)
+                           on_retract=self.recorder.retract, on_event=self.on_agent_event,
+                           request_params=self.request_params)
 
     async def resume(self, session_id: str) -> None:
         try:
@@ -211,26 +219,28 @@ class NorthcodeApp(App):
     @work(exclusive=True, group="turn", exit_on_error=False)
     async def run_turn(self, text: str) -> None:
         assert self.agent is not None
+        agent = self.agent
         expanded, attached = expand_mentions(text, self.workspace)
         await self.add(UserMessage(text))
         if attached:
             await self.add(Notice(f"attached {', '.join(attached)}"))
         self.status.show(busy="generating…")
         self.set_timer(1.0, self.poll_metrics_while_busy)
+        num_before = len(agent.messages)
         try:
-            result = await self.agent.run_turn(expanded)
-            if result.stop_reason == "step_limit":
-                await self.add(Notice(f"Stopped after {result.num_steps} model calls (the step limit).", "error"))
-            elif result.stop_reason == "length":
-                await self.add(Notice("The answer was cut off at the token limit.", "error"))
+            result = await agent.run_turn(expanded)
+            await self.show_stop_reason(result)
         except asyncio.CancelledError:
             await self.end_stream()
-            await self.add(Notice("interrupted"))
+            taken_back = len(agent.messages) == num_before
+            await self.add(Notice("interrupted before any answer: your message is back in the prompt" if taken_back
+                                  and self.restore_prompt(text) else "interrupted"))
             raise
         except EndpointError as err:
             await self.end_stream()
             await self.add(Notice(str(err), "error"))
-            self.query_one(PromptInput).text = text  # let the user retry without retyping
+            if len(agent.messages) == num_before and self.restore_prompt(text):
+                await self.add(Notice("your message was not sent: it is back in the prompt, Enter sends it again"))
         except Exception as err:  # a bug must not leave the app silently stuck: say what broke
             log.exception("agent turn failed")
             await self.end_stream()
@@ -238,6 +248,25 @@ class NorthcodeApp(App):
         finally:
             self.status.show(busy="")
         await self.refresh_metrics()
+
+    def restore_prompt(self, text: str) -> bool:
+        """Put a prompt that got no answer back into the input, unless the user is typing another."""
+        prompt = self.query_one(PromptInput)
+        if prompt.text.strip():
+            return False
+        prompt.text = text
+        prompt.move_cursor(prompt.document.end)
+        return True
+
+    async def show_stop_reason(self, result: TurnResult) -> None:
+        if result.stop_reason == "step_limit":
+            await self.add(Notice(f"Stopped after {result.num_steps} model calls (the step limit).", "error"))
+        elif result.stop_reason == "length":
+            await self.add(Notice("The answer was cut off at the token limit.", "error"))
+        elif result.stop_reason == "tool_call_truncated":
+            names = ", ".join(call.name or "?" for call in result.truncated_calls)
+            await self.add(Notice(f"The answer was cut off at the token limit while the model was writing a call "
+                                  f"({names}): nothing was run. Ask again, perhaps for a smaller step.", "error"))
 
     async def poll_metrics_while_busy(self) -> None:
         if self.is_busy:
@@ -276,10 +305,16 @@ class NorthcodeApp(App):
             await self.end_stream()
             self.stream_start = (delta.elapsed_s, delta.num_chunks)
             return
+        if delta.kind == "tool_arguments":  # not shown as they stream (the call is, once whole); counted
+            self.show_live_rate(delta)
+            return
         if self.current is None:
             self.current = AssistantMessage()
             await self.add(self.current)
         await self.current.write(delta.kind, delta.text)
+        self.show_live_rate(delta)
+
+    def show_live_rate(self, delta: Delta) -> None:
         first_s, first_chunks = self.stream_start
         if delta.elapsed_s > first_s:  # live rate: fragments (about one token each) per second
             self.status.show(tokens_per_s=(delta.num_chunks - first_chunks) / (delta.elapsed_s - first_s))

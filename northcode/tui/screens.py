@@ -99,6 +99,8 @@ class SessionsScreen(ModalScreen[str | None]):
 HELP_TEXT = """\
 # northcode
 
+*Esc closes this page; Up, Down and Page Up/Down scroll it.*
+
 **Keys**
 
 | key | does |

@@ -106,11 +106,18 @@ class StatusLine(Static):
         elif s.context_used is not None:
             parts.append(f"ctx {s.context_used}")
         parts.append(f"cache {s.cache_share:.0%}" if s.cache_share is not None else "cache –")
-        parts.append(f"KV {s.kv_usage:.0%}" if s.kv_usage is not None else "KV –")
+        parts.append(f"KV {_percent(s.kv_usage)}" if s.kv_usage is not None else "KV –")
         if s.workspace:
             parts.append(s.workspace)
         text = " │ ".join(parts)
         return f"{s.busy}  {text}" if s.busy else text
+
+
+def _percent(fraction: float) -> str:
+    """0.25 -> "25%", but 0.003 -> "0.3%": a big KV pool in use by one chat is not "0%"."""
+    if 0 < fraction < 0.001:
+        return "<0.1%"
+    return f"{fraction:.1%}" if 0 < fraction < 0.095 else f"{fraction:.0%}"
 
 
 class UserMessage(Static):
@@ -119,7 +126,7 @@ class UserMessage(Static):
 
 
 class Notice(Static):
-    """An info or error line in the transcript (severity: "info" | "error")."""
+    """An info, warning or error line in the transcript (severity: "info" | "warning" | "error")."""
 
     def __init__(self, text: str, severity: str = "info") -> None:
         super().__init__(text, markup=False, classes=f"notice {severity}")

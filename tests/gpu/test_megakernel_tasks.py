@@ -65,7 +65,8 @@ def test_norm_embeds_rounds_and_normalises() -> None:
     for layer, weight in ((1, model.layers[1].input_norm), (config.num_hidden_layers, model.final_norm)):
         x = torch.randn(8, config.hidden_size, device="cuda") * 3
         kernel.x.copy_(x)
-        run(kernel, [[make_task(TaskType.NORM, layer, (b,)) for b in range(8)]])
+        final = int(layer == config.num_hidden_layers)
+        run(kernel, [[make_task(TaskType.NORM, layer, (b, final)) for b in range(8)]])
         assert torch.equal(kernel.x, x.to(torch.bfloat16).float()), "the residual is rounded to bf16"
         assert rel_err(kernel.h, norm(x.to(torch.bfloat16), weight, config)) < REL_TOL
 
