@@ -1,5 +1,6 @@
 """CPU: northcode/csrc/megakernel.cu compiles with nvcc for sm_90a at the tiny and the full geometry,
-with no register spills (ptxas -v). Skips, saying why, where nvcc is absent."""
+with no register spills (ptxas -v), and the built library's C ABI matches megakernel.py's ctypes mirrors.
+Skips, saying why, where nvcc is absent."""
 
 from __future__ import annotations
 
@@ -30,6 +31,27 @@ def test_compiles_for_sm90a_without_spills(preset: str, tmp_path) -> None:
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
     assert spills, "ptxas printed no resource report"
     assert all(s == ("0", "0") for s in spills), f"register spills: {spills}"
+    check_abi(tmp_path / "megakernel.so", config)
+
+
+def check_abi(library, config) -> None:
+    """The built library's ABI version, struct sizes and geometry are what megakernel.py's mirrors say
+    (load_library checks the same on a GPU machine, where it also initialises the kernel)."""
+    import ctypes
+    import struct
+
+    from northcode.engine.megakernel import ABI_VERSION, GEOMETRY_FIELDS, ROW_FORMAT, TASK_WORDS, Params, geometry
+
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError as err:  # the CUDA runtime library is missing: compile-only machine
+        pytest.skip(f"cannot load the built library here: {err}")
+    assert lib.nc_abi_version() == ABI_VERSION
+    assert lib.nc_params_size() == ctypes.sizeof(Params)
+    assert lib.nc_task_size() == TASK_WORDS * 4 and lib.nc_row_size() == struct.calcsize(ROW_FORMAT)
+    built = (ctypes.c_int * len(GEOMETRY_FIELDS))()
+    assert lib.nc_geometry(built, len(GEOMETRY_FIELDS)) == len(GEOMETRY_FIELDS)
+    assert list(built) == list(geometry(config).values())
 
 
 def test_unsupported_geometry_is_named() -> None:

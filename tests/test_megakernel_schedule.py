@@ -37,7 +37,8 @@ def simulate(schedule) -> dict[int, int]:
 
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("order,qkv_tiles", [("attention-first", 1), ("moe-first", 1), ("attention-first", 2)])
+@pytest.mark.parametrize("order,qkv_tiles", [("attention-first", 1), ("moe-first", 1), ("tail-early", 1),
+                                             ("attention-first", 2)])
 def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, order: str, qkv_tiles: int) -> None:
     config = preset_config(preset, 1003 if preset == "tiny" else None)
     for blocks, context in ((132, 8192), (7, 100)):

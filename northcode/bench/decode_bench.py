@@ -20,7 +20,7 @@ HELP = "decode throughput: megakernel vs PyTorch, batch x context grid, table + 
 # megakernel variants (name -> Params.flags, wave order, tiles per QKV task); the first is the default
 VARIANTS = {"megakernel": (3, "attention-first", 1), "megakernel/no-prefetch": (0, "attention-first", 1),
             "megakernel/prefetch-current": (1, "attention-first", 1), "megakernel/moe-first": (3, "moe-first", 1),
-            "megakernel/qkv-pairs": (3, "attention-first", 2)}
+            "megakernel/qkv-pairs": (3, "attention-first", 2), "megakernel/tail-early": (3, "tail-early", 1)}
 DATASHEET_TBPS = 4.8
 TORCH_MAX_KV_TOKENS = 8 * 32768  # the baseline's copy of the pools beyond this many tokens does not fit
 
@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K only, 10 steps")
     parser.add_argument("--profile", action="store_true",
                         help="one extra megakernel step per cell with per-task timestamps: where the time goes")
-    parser.add_argument("--variants", action="store_true",
-                        help="also time megakernel variants (prefetch off/current only, MoE-first wave order)")
+    parser.add_argument("--variants", nargs="*", default=None, metavar="NAME",
+                        help="also time megakernel variants (all, or the named ones: "
+                             + ", ".join(list(VARIANTS)[1:]) + ")")
     parser.add_argument("--out", type=Path, default=Path("bench-decode"), help="folder for JSON and PNG")
 
 
@@ -48,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if any(not 1 <= b <= 8 for b in args.batch):
         print(f"--batch {args.batch}: every batch size must be 1..8")
+        return 2
+    unknown = [v for v in args.variants or [] if v not in VARIANTS or v == "megakernel"]
+    if unknown:
+        print(f"--variants {' '.join(unknown)}: unknown; choose from {', '.join(list(VARIANTS)[1:])}")
         return 2
     if args.quick:
         args.batch, args.context, args.steps = [1, 8], [8192], 10
@@ -62,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     backends = [b for b in args.backends if b == "torch"]
     if "megakernel" in args.backends:
-        backends = (list(VARIANTS) if args.variants else ["megakernel"]) + backends
+        backends = ["megakernel"] + (list(VARIANTS)[1:] if args.variants == [] else args.variants or []) + backends
     for context in args.context:
         for batch in args.batch:
             for backend in backends:

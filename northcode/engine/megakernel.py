@@ -108,7 +108,7 @@ def build_library(config: ModelConfig, cache_dir: Path | None = None) -> Path:
     library = cache_dir / f"megakernel-{key}.so"
     if library.is_file():
         return library
-    with open(cache_dir / ".build.lock", "w") as lock:
+    with open(cache_dir / f".build-{key}.lock", "w") as lock:  # per build: two geometries compile in parallel
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.is_file():
             return library

@@ -18,7 +18,10 @@ from northcode.config import ModelConfig
 MAX_SPLITS = 32  # NC_MAX_SPLITS: attention splits per (row, KV head)
 PAGE_SIZE = 64
 TASK_WORDS = 16
-WAVE_ORDERS = ("attention-first", "moe-first")  # where a layer's MoE-up drain sits relative to attention
+# Where a sparse layer's MoE drains sit relative to attention and its tail (COMBINE, OPROJ) in every list:
+# attention-first: ATTN, UP, COMBINE, DOWN, OPROJ; moe-first: UP, ATTN, DOWN, COMBINE, OPROJ;
+# tail-early: ATTN, COMBINE, UP, OPROJ, DOWN (o_proj streams between the up and down phases, not after).
+WAVE_ORDERS = ("attention-first", "moe-first", "tail-early")
 
 
 class TaskType(IntEnum):  # mirrors TaskType in csrc/megakernel.cu
@@ -97,8 +100,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
                    order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
-    order "attention-first": attention, MoE up, combine, MoE down; "moe-first": MoE up before attention.
-    Either way every wait points to an earlier wave. qkv_tiles: 16-row tiles per QKV task (2: the
+    order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row tiles per QKV task (2: the
     kernel multiplies them together, twice the loads in flight)."""
     assert order in WAVE_ORDERS, order
     c = config
@@ -142,11 +144,15 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
             waves.append([make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])
             up = ("each", make_task(TaskType.MOE_UP, layer, (up_head, slot_done), ((topk_done, 1),)))
             down = ("each", make_task(TaskType.MOE_DOWN, layer, (down_head, slot_done), ((topk_done, 1),), mlp_done))
-            waves += [attn, up, combine, down] if order == "attention-first" else [up, attn, down, combine]
             mlp_target = num_blocks
         oproj_tiles = c.hidden_size // 16
-        waves.append([make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),), oproj_done)
-                      for t in range(oproj_tiles)])
+        oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),), oproj_done)
+                 for t in range(oproj_tiles)]
+        if c.is_dense(layer):
+            waves.append(oproj)
+        else:
+            waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
+                      "tail-early": [attn, combine, up, oproj, down]}[order]
         previous = ((oproj_done, oproj_tiles), (mlp_done, mlp_target))
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
