@@ -17,6 +17,7 @@ import time
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
@@ -30,10 +31,11 @@ def text_reply(content: str, reasoning: str = "", delay_s: float = 0.0, cached_t
 
 
 def tool_reply(*calls: tuple[str, dict | str], content: str = "", finish_reason: str = "tool_calls",
-               fragment_chars: int = 7) -> dict:
+               fragment_chars: int = 7, delay_s: float = 0.0) -> dict:
     """A reply that calls tools: (name, arguments as a dict or a raw string) per call. The arguments
-    stream in fragments of `fragment_chars`; finish_reason "length" plays a reply cut off by max_tokens."""
-    return {"content": content, "reasoning": "", "delay_s": 0.0, "cached_tokens": 0, "finish_reason": finish_reason,
+    stream in fragments of `fragment_chars`, `delay_s` apart; finish_reason "length" plays a reply
+    cut off by max_tokens."""
+    return {"content": content, "reasoning": "", "delay_s": delay_s, "cached_tokens": 0, "finish_reason": finish_reason,
             "fragment_chars": fragment_chars,
             "tool_calls": [(name, args if isinstance(args, str) else json.dumps(args)) for name, args in calls]}
 
@@ -74,6 +76,23 @@ def _invalid_history_arguments(messages: list[dict]) -> str | None:
     return None
 
 
+class _KeyCheck:
+    """Plain ASGI middleware (it leaves streams and client disconnects alone): 401 without the key."""
+
+    def __init__(self, app, endpoint: ScriptedEndpoint) -> None:
+        self.app, self.endpoint = app, endpoint
+
+    async def __call__(self, scope, receive, send) -> None:
+        key = self.endpoint.api_key
+        if key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"").decode()
+            if given != f"Bearer {key}":
+                body = {"error": {"message": "invalid or missing API key", "type": "authentication_error"}}
+                await JSONResponse(body, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _fragments(text: str) -> list[str]:
     words = text.split(" ")
     return [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words) if w or i < len(words) - 1]
@@ -81,15 +100,16 @@ def _fragments(text: str) -> list[str]:
 
 class ScriptedEndpoint:
     def __init__(self, replies: list[dict] | None = None, context_len: int = 4096, loading_polls: int = 0,
-                 model_card: dict | None = None) -> None:
+                 model_card: dict | None = None, api_key: str | None = None) -> None:
         self.replies = list(replies or [])
+        self.api_key = api_key  # when set, /v1/* wants `Authorization: Bearer <key>`, as northcode serve --api-key
         self.model_card = model_card or {}  # extra /v1/models fields: northcode serve's root, display_name...
         self.requests: list[dict] = []
         self.disconnects = 0  # streams the client closed before the end
         self.finished = 0  # streams sent to the end
         self.context_len = context_len
         self.loading_polls = loading_polls  # /health answers 503 "loading weights" this many times first
-        app = Starlette(routes=[
+        app = Starlette(middleware=[Middleware(_KeyCheck, endpoint=self)], routes=[
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models), Route("/health", self._health), Route("/metrics", self._metrics),
         ])
@@ -157,6 +177,7 @@ class ScriptedEndpoint:
                                               "type": "function", "function": {"name": name, "arguments": ""}}]})
                 size = reply.get("fragment_chars", 7)
                 for start in range(0, len(arguments), size):  # argument fragments, as a model streams them
+                    await asyncio.sleep(reply["delay_s"])
                     yield _chunk({"tool_calls": [{"index": call_idx, "function": {"arguments": arguments[start:start + size]}}]})
                 num_tokens += len(arguments) // 4 + 2
             yield _chunk({}, finish=reply.get("finish_reason") or ("tool_calls" if reply["tool_calls"] else "stop"))

@@ -148,3 +148,27 @@ def test_continue_a_session(workspace, capsys):
         {"role": "assistant", "content": "first"}, {"role": "user", "content": "two"}]
     assert main(["run", "-p", "x", "--session", "nope", str(workspace)]) == 2
     assert "session 'nope': no such session" in capsys.readouterr().err
+
+
+def test_control_characters_reach_a_terminal_defused_and_a_pipe_exact():
+    import io
+
+    from northcode.commands.run import _for_terminal
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    noise = "ok\x1b[2J\ttab\nline\x07"
+    assert _for_terminal(noise, Terminal()) == "ok\ufffd[2J\ttab\nline\ufffd"
+    assert _for_terminal(noise, io.StringIO()) == noise
+
+
+def test_an_endpoint_with_an_api_key(workspace, capsys, monkeypatch):
+    with ScriptedEndpoint([text_reply("ok")], api_key="sekrit") as endpoint:
+        monkeypatch.delenv("NORTHCODE_API_KEY", raising=False)
+        assert main(["run", "-p", "hi", "--endpoint", endpoint.url, str(workspace)]) == 1
+        assert "HTTP 401: invalid or missing API key (set NORTHCODE_API_KEY" in capsys.readouterr().err
+        monkeypatch.setenv("NORTHCODE_API_KEY", "sekrit")
+        assert main(["run", "-p", "hi", "--endpoint", endpoint.url, str(workspace)]) == 0
+    assert capsys.readouterr().out == "ok\n"

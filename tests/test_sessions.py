@@ -79,3 +79,24 @@ def test_recorder_creates_the_session_with_the_first_user_message(store, tmp_pat
     resumed = SessionRecorder(store, tmp_path, "m", recorder.session_id)
     resumed.save({"role": "user", "content": "more"})
     assert len(store.messages(recorder.session_id)) == 4 and len(store.list()) == 1
+
+
+def test_a_prompt_taken_back_leaves_no_trace(store, tmp_path):
+    from northcode.agent.sessions import SessionRecorder
+
+    system, first = {"role": "system", "content": "s"}, {"role": "user", "content": "first"}
+    recorder = SessionRecorder(store, tmp_path, "m")
+    recorder.save(system)
+    recorder.save(first)
+    recorder.retract(1)  # the only prompt failed: no session is left behind, the next prompt starts one
+    assert store.list() == [] and recorder.session_id is None
+    recorder.save(first)
+    recorder.save({"role": "assistant", "content": "one"})
+    recorder.save({"role": "user", "content": "second"})
+    recorder.retract(3)  # a later prompt failed: only it goes, the title stays
+    assert store.messages(recorder.session_id) == [system, first, {"role": "assistant", "content": "one"}]
+    assert store.info(recorder.session_id).title == "first"
+    recorder.save({"role": "user", "content": "second"})
+    assert [m["content"] for m in store.messages(recorder.session_id)] == ["s", "first", "one", "second"]
+    with pytest.raises(ValueError, match="no such session"):
+        store.truncate("nope", 0)

@@ -73,16 +73,22 @@ async def test_prompt_streams_text_and_updates_the_status_line(workspace, store)
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
 
 
-async def test_escape_cancels_the_request_on_the_server(workspace, store):
+@pytest.mark.parametrize("key", ["escape", "ctrl+c"])
+async def test_escape_cancels_the_request_on_the_server(workspace, store, key):
     with ScriptedEndpoint([text_reply("slow " * 500, delay_s=0.02), text_reply("after")]) as endpoint:
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
         async with app.run_test() as pilot:
             await until(pilot, lambda: app.agent is not None)
             await send(app, pilot, "talk a lot")
             await until(pilot, lambda: app.query(AssistantMessage) and "slow slow" in app.query_one(AssistantMessage).body.source)
-            await pilot.press("escape")
+            await send(app, pilot, "typed while busy")
+            assert app.query_one(PromptInput).text == "typed while busy"  # not lost: sent once the answer ends
+            await pilot.press(key)
             await until(pilot, lambda: not app.is_busy and endpoint.disconnects == 1)
             assert "interrupted" in notices(app) and endpoint.finished == 0
+            await pilot.press("ctrl+c")  # idle: not a stop, and the app stays open
+            await pilot.pause(0.1)
+            assert app.is_running and notices(app).count("interrupted") == 1
             await send(app, pilot, "again")  # the next turn works and continues the same conversation
             await until(pilot, lambda: endpoint.finished == 1 and not app.is_busy)
     messages = endpoint.requests[1]["messages"]
@@ -305,3 +311,28 @@ async def test_a_tool_call_cut_off_by_the_token_limit_is_shown_and_not_run(works
             view = app.query_one(ToolCallView)
             assert view.has_class("failed") and "Not run" in str(view.result.render())
     assert not (workspace / "new.py").exists()
+
+
+async def test_a_call_is_shown_while_its_arguments_stream(workspace, store):
+    write = ("write", {"filePath": "notes.txt", "content": "x" * 300})
+    with ScriptedEndpoint([tool_reply(write, fragment_chars=10, delay_s=0.02), text_reply("Wrote it.")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store, mode=Mode.FULL_AUTO)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+
+            def titles() -> list[str]:
+                return [str(view.title_line.render()) for view in app.query(ToolCallView)]
+
+            seen: list[list[str]] = []
+            # Pilot's press and pause wait for a quiet screen, that is for the stream's end: poll with asyncio
+            app.query_one(PromptInput).post_message(PromptInput.Submitted("write notes"))
+            deadline = time.monotonic() + 10
+            while endpoint.finished < 2 or app.is_busy:
+                assert time.monotonic() < deadline, "timed out waiting for the app"
+                seen.append(titles())
+                await asyncio.sleep(0.01)
+            progress = [t[0] for t in seen if t and "characters of arguments so far" in t[0]]
+            assert progress and progress[0].startswith("→ write … (") and len(set(progress)) > 2  # it counts up
+            await pilot.pause(0.1)
+            assert titles() == ["→ write notes.txt"]  # the progress line gave way to the whole call
+    assert (workspace / "notes.txt").read_text() == "x" * 300

@@ -68,3 +68,28 @@ async def test_escape_stops_the_generation_on_the_server(server_url, app_factory
         tokens_after_cancel = metric(server_url, "northcode_generation_tokens_total")
         await pilot.pause(1.0)
         assert metric(server_url, "northcode_generation_tokens_total") == tokens_after_cancel  # nothing more is generated
+
+
+async def test_a_forced_call_cut_off_by_max_tokens_is_not_run_and_the_history_stays_valid(server_url, tmp_path):
+    """The real server streams a named call's arguments in fragments and ends with finish_reason
+    "length" inside them: nothing runs, and the next request (with that call in its history,
+    which northcode serve checks) is accepted."""
+    from northcode.agent.approvals import Mode
+
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    workspace = tmp_path / "project"
+    workspace.mkdir()
+    forced = {"max_tokens": 6, "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "write"}}}
+    app = NorthcodeApp(workspace, endpoint=server_url, store=store, mode=Mode.FULL_AUTO, request_params=forced)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.agent is not None, timeout_s=30)
+        for attempt in (1, 2):
+            await send(app, pilot, "write notes.txt")
+            await until(pilot, lambda: not app.is_busy and sum("nothing was run" in n for n in notices(app)) == attempt,
+                        timeout_s=60)
+        assert not any("HTTP 400" in n for n in notices(app))
+        roles = [m["role"] for m in app.agent.messages]
+        assert roles == ["system", "user", "assistant", "tool", "user", "assistant", "tool"]
+        assert app.agent.messages[2]["tool_calls"][0]["function"]["name"] == "write"
+    assert list(workspace.iterdir()) == []
+    store.close()

@@ -1,16 +1,17 @@
 """A streaming client for any OpenAI-compatible chat endpoint, on httpx.
 
 `stream_chat` posts one /v1/chat/completions request with `stream: true` and
-`stream_options.include_usage`, and yields deltas (reasoning, content, tool-call starts) as
-they arrive, then one `Completion` with the assembled message, usage and timings. Cancelling
-the task that iterates closes the HTTP response, so the server sees the disconnect and aborts
-the request (that is how Esc stops a generation for real). Tool-call deltas are assembled
+`stream_options.include_usage`, and yields deltas (reasoning, content, tool-call starts and
+argument fragments) as they arrive, then one `Completion` with the assembled message, usage
+and timings. Cancelling the task that iterates closes the HTTP response, so the server sees
+the disconnect and aborts the request (that is how Esc stops a generation for real). Tool-call deltas are assembled
 by index, as OpenAI streams them: id/name on the first delta, argument fragments after.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ class Delta:
     text: str  # the fragment; for "tool_call" the tool's name
     elapsed_s: float  # since the request was sent
     num_chunks: int  # content-bearing chunks so far (a live proxy for generated tokens)
+    call_idx: int | None = None  # for "tool_call" and "tool_arguments": the call's index in the reply
 
 
 @dataclass
@@ -81,14 +83,18 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
     return root, root + "/v1"
 
 
+API_KEY_ENV = "NORTHCODE_API_KEY"  # the key for an endpoint that wants one (`northcode serve --api-key`)
+
+
 def error_message(response_body: bytes, status: int) -> str:
+    hint = f" (set {API_KEY_ENV} to the server's API key)" if status == 401 else ""
     try:
         error = json.loads(response_body).get("error")
         if isinstance(error, dict) and error.get("message"):
-            return f"HTTP {status}: {error['message']}"
+            return f"HTTP {status}: {error['message']}{hint}"
     except (ValueError, AttributeError):
         pass
-    return f"HTTP {status}: {response_body[:300].decode('utf-8', errors='replace')}"
+    return f"HTTP {status}: {response_body[:300].decode('utf-8', errors='replace')}{hint}"
 
 
 class ChatClient:
@@ -96,8 +102,10 @@ class ChatClient:
 
     def __init__(self, endpoint: str, model: str | None = None, api_key: str | None = None,
                  timeout_s: float = 600.0) -> None:
+        """`api_key` defaults to $NORTHCODE_API_KEY (a key on the command line would show in `ps`)."""
         self.root, self.base_url = split_endpoint(endpoint)
         self.model = model
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0))
 
@@ -162,7 +170,7 @@ class ChatClient:
                     if chunk.get("usage"):
                         result.usage = chunk["usage"]
                     for choice in chunk.get("choices") or []:
-                        for kind, text in _choice_fragments(choice, assembler):
+                        for kind, text, call_idx in _choice_fragments(choice, assembler):
                             num_chunks += 1
                             now = time.monotonic() - start
                             if result.ttft_s is None:
@@ -171,7 +179,7 @@ class ChatClient:
                                 result.content += text
                             elif kind == "reasoning":
                                 result.reasoning += text
-                            yield Delta(kind, text, now, num_chunks)
+                            yield Delta(kind, text, now, num_chunks, call_idx)
                         if choice.get("finish_reason"):
                             result.finish_reason = choice["finish_reason"]
         except httpx.HTTPError as err:
@@ -205,23 +213,24 @@ async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
             yield chunk
 
 
-def _choice_fragments(choice: dict, assembler: _ToolCallAssembler) -> list[tuple[str, str]]:
+def _choice_fragments(choice: dict, assembler: _ToolCallAssembler) -> list[tuple[str, str, int | None]]:
+    """(kind, text, call index) for each fragment of one streamed choice."""
     delta = choice.get("delta") or {}
-    fragments = []
+    fragments: list[tuple[str, str, int | None]] = []
     reasoning = delta.get("reasoning_content") or delta.get("reasoning")
     if reasoning:
-        fragments.append(("reasoning", reasoning))
+        fragments.append(("reasoning", reasoning, None))
     if delta.get("content"):
-        fragments.append(("content", delta["content"]))
+        fragments.append(("content", delta["content"], None))
     for call_delta in delta.get("tool_calls") or []:
         if not isinstance(call_delta, dict):
             continue
-        name = assembler.add(call_delta)
+        call_idx, name = assembler.add(call_delta)
         if name:
-            fragments.append(("tool_call", name))
+            fragments.append(("tool_call", name, call_idx))
         arguments = (call_delta.get("function") or {}).get("arguments")
         if arguments:
-            fragments.append(("tool_arguments", arguments))
+            fragments.append(("tool_arguments", arguments, call_idx))
     return fragments
 
 
@@ -231,8 +240,8 @@ class _ToolCallAssembler:
     def __init__(self) -> None:
         self.by_index: dict[int, dict] = {}
 
-    def add(self, call_delta: dict) -> str | None:
-        """Adds one delta; returns the tool's name when this delta starts a call."""
+    def add(self, call_delta: dict) -> tuple[int, str | None]:
+        """Adds one delta; returns its call's index, and the tool's name when this delta starts the call."""
         function = call_delta.get("function") or {}
         index = call_delta.get("index")
         if not isinstance(index, int):  # servers that leave out `index`: a fragment continues the last call
@@ -244,7 +253,7 @@ class _ToolCallAssembler:
         if function.get("name") and not call["name"]:
             call["name"] = function["name"]
         call["arguments"] += function.get("arguments") or ""
-        return call["name"] if started and call["name"] else None
+        return index, (call["name"] if started and call["name"] else None)
 
     def calls(self) -> list[ToolCall]:
         return [ToolCall(c["id"] or f"call_{uuid.uuid4().hex[:24]}", c["name"], c["arguments"] or "{}")

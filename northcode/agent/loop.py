@@ -171,11 +171,12 @@ class Agent:
         return TurnResult(completion.content if completion else "", self.max_steps, "step_limit", completion, usage)
 
     async def _refuse_truncated(self, calls: list[ToolCall]) -> None:
-        for call in calls:
-            output = TRUNCATED_CALL_RESULT + _quote_arguments(call.arguments)
+        outputs = [TRUNCATED_CALL_RESULT + _quote_arguments(call.arguments) for call in calls]
+        for call, output in zip(calls, outputs):  # all answered before any await: an Esc cannot split them
+            self._append({"role": "tool", "tool_call_id": call.id, "content": output})
+        for call, output in zip(calls, outputs):
             await self._emit(ToolEvent(call, None))
             await self._emit(ToolEvent(call, None, output, ok=False))
-            self._append({"role": "tool", "tool_call_id": call.id, "content": output})
 
     async def _model_step(self) -> Completion:
         tools = TOOL_SCHEMAS if self.use_tools else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -37,8 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", nargs="?", default=".", type=Path, help="the workspace (default: this folder)")
 
 
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # C0 controls but \t and \n, and DEL
+
+
+def _for_terminal(text: str, stream) -> str:
+    """Model and tool text with its control characters (ESC sequences could drive the terminal)
+    shown as U+FFFD when `stream` is a terminal; piped output stays byte-exact."""
+    return CONTROL_CHARS.sub("\ufffd", text) if stream.isatty() else text
+
+
 def _progress(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    print(_for_terminal(text, sys.stderr), file=sys.stderr, flush=True)
 
 
 def _on_event(event) -> None:
@@ -84,6 +94,7 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
     store = SessionStore()
     session_id = _session_to_continue(args, store, workspace.root)  # bad ids fail before any server starts
     transcript: dict = {"workspace": str(workspace.root), "mode": args.mode, "ok": False, "error": None}
+    client = None
     try:
         root = await connect(args.endpoint, model_dir, lambda phase: _progress(f"northcode run: server {phase}"))
         client = ChatClient(root)
@@ -91,6 +102,9 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
         card = next((m for m in await client.list_models() if m.get("id") == served), {"id": served})
     except EndpointError as err:
         transcript["error"] = str(err)
+        store.close()
+        if client is not None:
+            await client.aclose()
         return EXIT_ENDPOINT, transcript
     label = model_label(card)
     _progress(f"northcode run: {label} at {root}, workspace {workspace.root}, mode {args.mode}")
@@ -111,23 +125,26 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
     finally:
         await client.aclose()
         store.close()
-    transcript["session_id"] = recorder.session_id
+    transcript.update(session_id=recorder.session_id, messages=agent.messages)
+    return _outcome(args, result, transcript), transcript
+
+
+def _outcome(args: argparse.Namespace, result, transcript: dict) -> int:
+    """Fill the transcript from the TurnResult; the exit code."""
     transcript.update(ok=result.stop_reason in ("done", "length"), answer=result.answer,
-                      stop_reason=result.stop_reason, num_steps=result.num_steps, usage=result.usage,
-                      messages=agent.messages)
+                      stop_reason=result.stop_reason, num_steps=result.num_steps, usage=result.usage)
+    limit = "" if args.max_tokens is None else f" (--max-tokens {args.max_tokens})"
     if result.stop_reason == "length":
-        _progress("northcode run: the answer was cut off at the token limit"
-                  + ("" if args.max_tokens is None else f" (--max-tokens {args.max_tokens})"))
+        _progress(f"northcode run: the answer was cut off at the token limit{limit}")
     if result.stop_reason == "step_limit":
         transcript["error"] = f"stopped at the step limit ({args.max_steps} model calls) before an answer"
-        return EXIT_STEP_LIMIT, transcript
+        return EXIT_STEP_LIMIT
     if result.stop_reason == "tool_call_truncated":
         names = ", ".join(call.name or "?" for call in result.truncated_calls)
         transcript["error"] = (f"the answer was cut off at the token limit while the model was writing a tool call "
-                               f"({names}); nothing was run" + ("" if args.max_tokens is None else
-                                                                 f" (--max-tokens {args.max_tokens})"))
-        return EXIT_TRUNCATED_CALL, transcript
-    return EXIT_OK, transcript
+                               f"({names}); nothing was run{limit}")
+        return EXIT_TRUNCATED_CALL
+    return EXIT_OK
 
 
 def _session_to_continue(args: argparse.Namespace, store, workspace_root: Path) -> str | None:
@@ -148,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(transcript, indent=2, ensure_ascii=False))
     elif transcript.get("answer") is not None:
-        print(transcript["answer"])
+        print(_for_terminal(transcript["answer"], sys.stdout))
     if transcript["error"]:
         _progress(f"northcode run: error: {transcript['error']}")
     return code

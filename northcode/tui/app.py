@@ -56,6 +56,8 @@ class NorthcodeApp(App):
     TITLE = "northcode"
     BINDINGS = [
         Binding("escape", "stop", "stop", show=False),
+        # Ctrl+C stops an answer, as in other terminal agents; when idle it falls through (copy, quit hint)
+        Binding("ctrl+c", "stop_answer", "stop", show=False, priority=True),
         Binding("shift+tab", "cycle_mode", "mode", priority=True),
         Binding("ctrl+n", "new_session", "new"),
         Binding("ctrl+s", "sessions", "sessions"),
@@ -80,6 +82,7 @@ class NorthcodeApp(App):
         self.model_label = ""
         self.current: AssistantMessage | None = None
         self.tool_views: dict[str, ToolCallView] = {}
+        self.pending_calls: dict[int, tuple[ToolCallView, str, int]] = {}  # call index -> (view, name, characters)
         self.stream_start: tuple[float, int] | None = None  # (elapsed_s, num_chunks) at the first fragment
         self.slash = SlashCommands(self)
         self.started_server: str | None = None  # "started northcode serve on URL (pid N, log FILE)"
@@ -185,10 +188,11 @@ class NorthcodeApp(App):
             return
         await self.chat.remove_children()
         self.tool_views.clear()
+        self.pending_calls.clear()
         self.start_session(messages, session_id)
         for message in messages:
             await self.show_saved(message)
-        await self.add(Notice(f"resumed session {session_id} ({len(messages)} messages)"))
+        await self.add(Notice(f"resumed session {session_id} ({len(messages)} messages) · {self.model_label}"))
 
     async def show_saved(self, message: dict) -> None:
         role = message.get("role")
@@ -210,8 +214,10 @@ class NorthcodeApp(App):
         if event.text.startswith("/"):
             await self.slash.run(event.text)
         elif self.agent is None:
+            self.restore_prompt(event.text)  # kept for when the server is ready
             self.notify("Not connected to a model yet.", severity="warning")
         elif self.is_busy:
+            self.restore_prompt(event.text)
             self.notify("Still answering: Esc stops it.", severity="warning")
         else:
             self.run_turn(event.text)
@@ -278,6 +284,9 @@ class NorthcodeApp(App):
             await self.current.finish()
             self.current = None
         self.stream_start = None
+        for view, _, _ in self.pending_calls.values():  # the calls get their own views once whole
+            await view.remove()
+        self.pending_calls.clear()
 
     async def on_agent_event(self, event: Delta | Completion | ToolEvent) -> None:
         if isinstance(event, Delta):
@@ -286,6 +295,7 @@ class NorthcodeApp(App):
             await self.end_stream()
             self.show_usage(event)
         elif event.output is None:
+            self.status.show(busy=f"running {event.call.name}…")
             prepared = event.prepared
             view = ToolCallView(prepared.title, prepared.preview, prepared.kind) if prepared else ToolCallView(event.call.name)
             self.tool_views[event.call.id] = view
@@ -296,16 +306,30 @@ class NorthcodeApp(App):
                 view = self.tool_views[event.call.id] = ToolCallView(event.call.name, kind="read")
                 await self.add(view)
             view.show_result(event.output, event.ok)
+            self.status.show(busy="generating…")
+
+    async def end_text(self) -> None:
+        """The streamed text ends (a tool call starts): render it whole."""
+        if self.current is not None:
+            await self.current.finish()
+            self.current = None
 
     async def on_delta(self, delta: Delta) -> None:
         if self.stream_start is None:
             self.stream_start = (delta.elapsed_s, delta.num_chunks)
             self.status.show(ttft_s=delta.elapsed_s)
         if delta.kind == "tool_call":
-            await self.end_stream()
-            self.stream_start = (delta.elapsed_s, delta.num_chunks)
+            await self.end_text()
+            view = ToolCallView(f"{delta.text} …")
+            self.pending_calls[delta.call_idx or 0] = (view, delta.text, 0)
+            await self.add(view)
             return
-        if delta.kind == "tool_arguments":  # not shown as they stream (the call is, once whole); counted
+        if delta.kind == "tool_arguments":  # a running count: the call is shown whole once it is complete
+            pending = self.pending_calls.get(delta.call_idx or 0)
+            if pending is not None:
+                view, name, num_chars = pending
+                self.pending_calls[delta.call_idx or 0] = (view, name, num_chars + len(delta.text))
+                view.show_arguments_progress(name, num_chars + len(delta.text))
             self.show_live_rate(delta)
             return
         if self.current is None:
@@ -332,14 +356,25 @@ class NorthcodeApp(App):
         self.status.show(**changes)
 
     async def ask_approval(self, call: PreparedCall) -> Decision:
+        self.status.show(busy="waiting for your answer…")
         try:
             return await self.push_screen_wait(ApprovalScreen(call))
         except asyncio.CancelledError:
             if isinstance(self.screen, ApprovalScreen):
                 self.screen.dismiss(Decision.DENY)
             raise
+        finally:
+            self.status.show(busy=f"running {call.name}…")
 
     # --- actions ---
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop_answer":
+            return self.is_busy  # False: the key goes on to the other ctrl+c bindings
+        return super().check_action(action, parameters)
+
+    def action_stop_answer(self) -> None:
+        self.action_stop()
 
     def action_stop(self) -> None:
         if self.is_busy:

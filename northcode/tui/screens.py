@@ -35,7 +35,8 @@ class ApprovalScreen(ModalScreen[Decision]):
         language = "diff" if self.call.kind == "edit" else "bash"
         with Vertical(id="approval"):
             yield Static(f"Allow this {self.call.kind} call?", classes="modal-title")
-            yield Static(self.call.title, markup=False, classes="approval-call")
+            if self.call.kind != "shell":  # a command is shown once, highlighted, below
+                yield Static(self.call.title, markup=False, classes="approval-call")
             with VerticalScroll(id="approval-preview"):
                 yield Static(Syntax((self.call.preview or self.call.title).rstrip("\n"), language, theme="ansi_dark", word_wrap=True))
             with Horizontal(classes="buttons"):
@@ -108,7 +109,7 @@ HELP_TEXT = """\
 | Enter | send the prompt |
 | Ctrl+J | new line in the prompt |
 | Up / Down | previous / next prompt (on the first / last line) |
-| Esc | stop the answer now (the server stops generating); deny an approval |
+| Esc, Ctrl+C | stop the answer now (the server stops generating); Esc also denies an approval |
 | Shift+Tab | next mode: ask → auto-edit → full-auto |
 | Ctrl+N | new session |
 | Ctrl+S | sessions |

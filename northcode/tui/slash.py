@@ -38,6 +38,7 @@ class SlashCommands:
             return
         await self.app.chat.remove_children()
         self.app.tool_views.clear()
+        self.app.pending_calls.clear()
         self.app.start_session()
         self.app.status.show(context_used=None, cache_share=None, tokens_per_s=None, ttft_s=None)
         await self.app.add(Notice(f"new session · {self.app.model_label}"))
@@ -79,6 +80,7 @@ class SlashCommands:
             return
         await self.app.chat.remove_children()
         self.app.tool_views.clear()
+        self.app.pending_calls.clear()
 
     async def cmd_help(self, argument: str) -> None:
         self.app.push_screen(HelpScreen())

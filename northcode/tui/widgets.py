@@ -142,6 +142,7 @@ class AssistantMessage(Vertical):
         self.fold.display = bool(reasoning)
         self.body = Markdown(content)
         self.streams: dict[str, object] = {}
+        self.num_reasoning_fragments = 0
 
     def compose(self):
         yield self.fold
@@ -150,9 +151,10 @@ class AssistantMessage(Vertical):
     async def write(self, kind: str, text: str) -> None:
         """Append a streamed fragment (kind "content" or "reasoning")."""
         target = self.body if kind == "content" else self.reasoning_view
-        if kind == "reasoning" and not self.fold.display:
+        if kind == "reasoning":  # folded: the title shows it is moving (fragments are about one token each)
             self.fold.display = True
-            self.fold.title = "Reasoning…"  # while it streams; plain "Reasoning" once the answer is done
+            self.num_reasoning_fragments += 1
+            self.fold.title = f"Reasoning… ({self.num_reasoning_fragments} tokens)"  # "Reasoning" once done
         stream = self.streams.get(kind)
         if stream is None:
             stream = self.streams[kind] = Markdown.get_stream(target)
@@ -186,6 +188,10 @@ class ToolCallView(Vertical):
         if self.preview and self.kind == "edit":
             yield Static(Syntax(self.preview.rstrip("\n"), "diff", theme="ansi_dark", word_wrap=True), classes="tool-preview")
         yield self.result
+
+    def show_arguments_progress(self, name: str, num_chars: int) -> None:
+        """While a call's arguments stream in (before it can be shown whole, approved and run)."""
+        self.title_line.update(f"→ {name} … ({num_chars} characters of arguments so far)")
 
     def show_result(self, output: str, ok: bool) -> None:
         lines = output.rstrip().splitlines()
