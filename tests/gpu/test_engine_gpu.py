@@ -8,7 +8,9 @@ one path at batch 8 and at batch 1, give decorrelated logits after 49 layers. So
   4096 window, then decode steps in CUDA graphs, teacher-forced: logits within FP32_MEAN_TOL of the
   reference (model.py, contiguous cache); a ragged batch of 8 equals each row alone, graphs equal eager.
 - bf16, all 49 layers, decoding from the same 8K cache: each layer teacher-forced (fed the reference's
-  input), its output (attention + MLP) within BF16_COS_MIN cosine and BF16_REL_TOL relative error.
+  input), its output (attention + MLP) within BF16_COS_MIN cosine and BF16_REL_TOL relative error, for
+  both MoE paths (grouped GEMM, gathered weights).
+And the kernel count of one decode step on CUDA (op_count.count_cuda_kernels), printed and bounded.
 """
 
 from __future__ import annotations
@@ -148,9 +150,11 @@ def test_fp32_ragged_batch_of_eight_equals_each_row_alone_and_graphs_equal_eager
         backend.use_graphs = True
 
 
-def test_bf16_full_geometry_layers_match_the_reference_decoding_from_the_same_8k_cache(full_model):
-    """All 49 layers, bf16, at position 8192 of a cache the reference prefilled: each layer is fed the
-    reference's input, and its output (x_out - x_in) must match the reference's within the bf16 tolerance."""
+@pytest.mark.parametrize("moe_path", ["grouped", "gathered"])
+def test_bf16_full_geometry_layers_match_the_reference_decoding_from_the_same_8k_cache(full_model, moe_path):
+    """All 49 layers, bf16, at position 8192 of a cache the reference prefilled: each layer of the decode
+    step (decode_step.py) is fed the reference's input, and its output (x_out - x_in) must match the
+    reference's within the bf16 tolerance; for both MoE paths of routed_experts.py."""
     from northcode.engine.model import mlp, norm, rope_cos_sin
 
     config, weights, model = full_model
@@ -158,29 +162,40 @@ def test_bf16_full_geometry_layers_match_the_reference_decoding_from_the_same_8k
     cache = model.new_cache()
     model.prefill(tokens[:CONTEXT], cache, last_only=True)
     kv, backend = make_paged(config, weights, rows=1, pages_per_row=49 * 132)
+    backend.moe_path = moe_path
     copy_into_pages(kv, backend, 0, cache, CONTEXT)
     kv.allocate(0, CONTEXT + 1)
     backend._upload_tables(kv.block_tables, kv.version)
     rows = torch.tensor([0], device="cuda")
-    positions = torch.tensor([[CONTEXT]], device="cuda")
-    cos, sin = rope_cos_sin(positions, backend.inv_freq, backend.dtype)
-    views = {sliding: backend._visible_keys(
-        next(i for i in range(config.num_hidden_layers) if (config.window(i) is not None) == sliding), rows, positions,
-        torch.tensor([(CONTEXT - 4095) // 64 if sliding else 0], device="cuda"),
-        backend._window_pages() if sliding else -(-(CONTEXT + 1) // 64)) for sliding in (False, True)}
-    x = torch.nn.functional.embedding(torch.tensor([[tokens[CONTEXT]]], device="cuda"), model.embed)  # [1, 1, H]
+    positions = torch.tensor([CONTEXT], device="cuda")
+    cos, sin = rope_cos_sin(positions, model.inv_freq, model.dtype)  # [1, D]: the reference's
+    step = backend.decoder
+    shared = step.prepare(positions, rows, -(-(CONTEXT + 1) // 64))
+    x = torch.nn.functional.embedding(torch.tensor([tokens[CONTEXT]], device="cuda"), model.embed)  # [1, H]
     worst_cos, worst_rel = 1.0, 0.0
     with torch.inference_mode():
         for i, layer in enumerate(model.layers):
-            h = norm(x, layer.input_norm, config)
-            want = model._attention(i, layer, h, positions[0], cos[0], sin[0], cache) + mlp(h[0], layer, config, i)
-            got = backend.layer_forward(i, x, rows, positions, cos, sin, *views[config.window(i) is not None]) - x
+            h = norm(x[None], layer.input_norm, config)  # [1, 1, H]
+            want = model._attention(i, layer, h, positions, cos, sin, cache)[0] + mlp(h[0], layer, config, i)
+            got = step.layer(i, x.clone(), shared) - x
             want, got = want.float().flatten(), got.float().flatten()
             worst_cos = min(worst_cos, torch.nn.functional.cosine_similarity(got, want, dim=0).item())
             worst_rel = max(worst_rel, ((got - want).norm() / want.norm()).item())
             x = x + want.view_as(x).to(x.dtype)
-    print(f"49 bf16 layers, teacher-forced at position {CONTEXT}: min cosine {worst_cos:.5f}, max rel err {worst_rel:.4f}")
+    print(f"49 bf16 layers ({moe_path} MoE), teacher-forced at position {CONTEXT}: "
+          f"min cosine {worst_cos:.5f}, max rel err {worst_rel:.4f}")
     assert worst_cos >= BF16_COS_MIN and worst_rel <= BF16_REL_TOL
+
+
+def test_the_decode_step_launches_few_kernels_on_the_gpu():
+    """The decode step of the full layer plan (tiny widths, bf16) counted on CUDA by torch.profiler: the
+    CPU count (op_count.py) predicts it; a few more for multi-kernel ops (sort, top-k, grouped GEMM)."""
+    from northcode.engine.op_count import count_cuda_kernels
+
+    for batch in (1, 8):
+        total, by_part = count_cuda_kernels(batch=batch, context=8192)
+        print(f"batch {batch}: {total} CUDA kernels per decode step; {dict(by_part)}")
+        assert total <= 1800
 
 
 def test_tiny_engine_on_the_gpu_matches_the_reference_and_reuses_prefixes(tiny_checkpoint):
