@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#define NC_ABI_VERSION 3
+#define NC_ABI_VERSION 4
 
 #if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
@@ -76,10 +76,12 @@ enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
   TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
-  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
+  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none),
+                        //   arg5 ticket counter + 1 (0: none): the last split to arrive merges (no COMBINE)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits; arg2 ticket counter + 1 (0: none),
+                        //   arg3 ROUTER tasks of the layer: the last to arrive runs TOPK (no TOPK task)
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
   TASK_MOE_UP = 8,      // drain: arg0 claim counter, arg1 first "slot done" counter
   TASK_MOE_DOWN = 9,    // drain: arg0 claim counter, arg1 first "slot done" counter
@@ -87,11 +89,16 @@ enum TaskType : int {
   TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
   TASK_LM_HEAD = 12,    // arg0 first 32-row tile, arg1 tiles, arg2 task index: logits + partial argmaxes
   TASK_SAMPLE = 13,     // arg0 row, arg1 LM-head task count: next token
-  NUM_TASK_TYPES = 14,
+  TASK_OPROJ_DRAIN = 14,  // drain: arg0 claim counter: o_proj tiles claimed by atomicAdd until none is left
+  NUM_TASK_TYPES = 15,
 };
 
-// Params.flags bits.
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2 };
+// Params.flags bits. DEEP_LOADS (variant kernel only): o_proj multiplies two 16-row tiles at once (16 loads of
+// 16 B in flight per lane instead of 8; the schedule pairs QKV and router tiles the same way).
+// VARIANTS: launch the variant build of the kernel (kVariants = true below), the only one that knows the
+// arrival tickets, OPROJ_DRAIN and DEEP_LOADS; the default kernel compiles none of them (its code and
+// registers stay those of the tested default path) and refuses their task forms.
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_DEEP_LOADS = 4, NC_FLAG_VARIANTS = 8 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -229,6 +236,21 @@ __device__ void signal_counter(const Params& p, int idx) {
     __threadfence();
     atomicAdd(p.counters + idx, 1u);
   }
+}
+
+// Arrival ticket (a merge by the last producer instead of a separate consumer task): after the block's
+// outputs are written, count one on counters[ticket]; true in the block that brings it to `total`, which
+// then sees every other arriving block's outputs (fence after the atomic; read them through L2, __ldcg).
+__device__ bool last_to_arrive(const Params& p, int ticket, int total) {
+  __shared__ int is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last = atomicAdd(p.counters + ticket, 1u) + 1u == (unsigned)total;
+    if (is_last) __threadfence();
+  }
+  __syncthreads();
+  return is_last != 0;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -593,6 +615,9 @@ __device__ void attn_page(AttnSmem& s, int stage, int lo_tok, int hi_tok, float 
   __syncthreads();  // the stage is refilled next
 }
 
+__device__ void combine_row(const Params& p, int b, int kvh, int nsplit);  // section 7
+
+template <bool kVariants>
 __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
   AttnSmem& s = *reinterpret_cast<AttnSmem*>(smem);
   const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2], nsplit = t.arg[3], window = t.arg[4];
@@ -644,13 +669,13 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
     p.attn_ml[(base * kGroup + threadIdx.x) * 2] = s.m[threadIdx.x];
     p.attn_ml[(base * kGroup + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
   }
+  if (kVariants && t.arg[5] > 0 && last_to_arrive(p, t.arg[5] - 1, nsplit)) combine_row(p, b, kvh, nsplit);
 }
 
 // ====  7. Task: COMBINE  =======================================================================
 //   Merge the splits of one (row, KV head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M),
-//   written as bf16 into attn_out [8, Hq*D].
-__device__ void task_combine(const Params& p, const Task& t, unsigned char*) {
-  const int b = t.arg[0], kvh = t.arg[1], nsplit = t.arg[2];
+//   written as bf16 into attn_out [8, Hq*D]. Its own task, or run by the last ATTN split to arrive.
+__device__ void combine_row(const Params& p, int b, int kvh, int nsplit) {
   const size_t base = (size_t)(b * kKvHeads + kvh) * kMaxSplits;
   for (int idx = threadIdx.x; idx < kGroup * kHeadDim; idx += kThreads) {
     const int hq = idx / kHeadDim;
@@ -668,22 +693,62 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char*) {
   }
 }
 
+__device__ void task_combine(const Params& p, const Task& t, unsigned char*) {
+  combine_row(p, t.arg[0], t.arg[1], t.arg[2]);
+}
+
 // ====  8. Task: OPROJ  =========================================================================
 //   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
-//   branch adds into the same rows).
+//   branch adds into the same rows). Static tiles (OPROJ) or claimed from a per-layer queue (OPROJ_DRAIN).
+__device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
+  const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
+  const int valid[1] = {16};
+  mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
+  const int i = threadIdx.x, r = i >> 3, b = i & 7;
+  if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
+}
+
+// Tiles `tile` and `tile + 1` in one product (NC_FLAG_DEEP_LOADS): twice the loads in flight per lane.
+__device__ void oproj_tile_pair(const Params& p, int layer, int tile, GemmSmem& s) {
+  const bf16* w = layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize;
+  const bf16* tiles[2] = {w, w + (size_t)16 * kQSize};
+  const int valid[2] = {16, 16};
+  mma_tiles<2>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
+  const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
+  if (b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + (tile + n) * 16 + r, bf16_round(s.out[i]));
+}
+
+template <bool kVariants>
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
-    const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_O) + (size_t)tile * 16 * kQSize};
-    const int valid[1] = {16};
-    mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
-    const int i = threadIdx.x, r = i >> 3, b = i & 7;
-    if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
+  const int end = t.arg[0] + t.arg[1];
+  for (int tile = t.arg[0]; tile < end; ++tile) {
+    if (kVariants && (p.flags & NC_FLAG_DEEP_LOADS) && tile + 1 < end) oproj_tile_pair(p, t.layer, tile++, s);
+    else oproj_tile(p, t.layer, tile, s);
+  }
+}
+
+__device__ int claim(const Params& p, int head, int* shared_slot);  // section 11
+
+// OPROJ_DRAIN: one per block; tiles (pairs with DEEP_LOADS) claimed at run time, so blocks that leave the
+// MoE up queue early take more of o_proj (every block's copy waits for the whole attention first).
+__device__ void task_oproj_drain(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  int* claimed = reinterpret_cast<int*>(&s.best[0]);
+  const bool pairs = p.flags & NC_FLAG_DEEP_LOADS;
+  const int claims = pairs ? kHidden / 32 : kHidden / 16;
+  for (int c = claim(p, t.arg[0], claimed); c < claims; c = claim(p, t.arg[0], claimed)) {
+    if (pairs) oproj_tile_pair(p, t.layer, 2 * c, s);
+    else oproj_tile(p, t.layer, c, s);
   }
 }
 
 // ====  9. Task: ROUTER  ========================================================================
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
+//   With a ticket (arg2) the last ROUTER task of the layer to finish runs TOPK itself (one hand-off less).
+__device__ void task_topk(const Params& p, const Task& t, unsigned char* smem);  // section 10
+
+template <bool kVariants>
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
@@ -696,6 +761,7 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
       if (p.trace_router) p.trace_router[((size_t)t.layer * kMaxBatch + b) * kExperts + e] = bf16_round(s.out[i]);
     }
   }
+  if (kVariants && t.arg[2] > 0 && last_to_arrive(p, t.arg[2] - 1, t.arg[3])) task_topk(p, t, smem);  // every tile's logits are in
 }
 
 // ====  10. Task: TOPK  =========================================================================
@@ -1067,6 +1133,12 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     prefetch_l2(reinterpret_cast<const char*>(w) + off);
 }
 
+// Whether the default kernel was handed a task form only the variant kernel runs (tickets, OPROJ_DRAIN).
+__device__ __forceinline__ bool variant_only(const Task& t) {
+  return t.type == TASK_OPROJ_DRAIN || (t.type == TASK_ATTN && t.arg[5] > 0) || (t.type == TASK_ROUTER && t.arg[2] > 0);
+}
+
+template <bool kVariants>
 __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ Task task;
@@ -1084,15 +1156,17 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     if (threadIdx.x == 0) aborted = *(volatile int*)p.status;
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
     __syncthreads();
-    if (!aborted) {
+    if (!kVariants && variant_only(t)) {
+      if (threadIdx.x == 0) report(p, NC_ERR_BAD_TASK, i, t.type);
+    } else if (!aborted) {
       switch (t.type) {
         case TASK_STOP: break;
         case TASK_NORM: task_norm(p, t, smem); break;
         case TASK_QKV: task_qkv(p, t, smem); break;
-        case TASK_ATTN: task_attn(p, t, smem); break;
+        case TASK_ATTN: task_attn<kVariants>(p, t, smem); break;
         case TASK_COMBINE: task_combine(p, t, smem); break;
-        case TASK_OPROJ: task_oproj(p, t, smem); break;
-        case TASK_ROUTER: task_router(p, t, smem); break;
+        case TASK_OPROJ: task_oproj<kVariants>(p, t, smem); break;
+        case TASK_ROUTER: task_router<kVariants>(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
         case TASK_MOE_UP: task_moe_up(p, t, smem); break;
         case TASK_MOE_DOWN: task_moe_down(p, t, smem); break;
@@ -1100,6 +1174,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
         case TASK_DENSE_DOWN: task_dense_down(p, t, smem); break;
         case TASK_LM_HEAD: task_lm_head(p, t, smem); break;
         case TASK_SAMPLE: task_sample(p, t, smem); break;
+        case TASK_OPROJ_DRAIN: if (kVariants) task_oproj_drain(p, t, smem); break;
         default: if (threadIdx.x == 0) report(p, NC_ERR_BAD_TASK, i, t.type);
       }
     }
@@ -1137,14 +1212,18 @@ extern "C" const char* nc_last_error(void) { return g_last_error; }
 
 // Raises the kernel's shared-memory limit; 0 ok, -1 error (see nc_last_error).
 extern "C" int nc_init(void) {
-  cudaError_t err = cudaFuncSetAttribute(nc_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return fail("cudaFuncSetAttribute", err);
-  int blocks = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, nc_decode_kernel, kThreads, kSmemBytes);
-  if (err != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", err);
-  if (blocks < 1) {
-    snprintf(g_last_error, sizeof(g_last_error), "the kernel cannot be resident (0 blocks per SM)");
-    return -1;
+  for (int variants = 0; variants < 2; ++variants) {
+    const void* kernel = variants ? (const void*)nc_decode_kernel<true> : (const void*)nc_decode_kernel<false>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return fail("cudaFuncSetAttribute", err);
+    int blocks = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, kSmemBytes);
+    if (err != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", err);
+    if (blocks < 1) {
+      snprintf(g_last_error, sizeof(g_last_error), "the %s kernel cannot be resident (0 blocks per SM)",
+               variants ? "variant" : "default");
+      return -1;
+    }
   }
   return 0;
 }
@@ -1160,7 +1239,8 @@ extern "C" int nc_decode_step(const Params* p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(p->counters, 0, sizeof(unsigned) * (size_t)p->num_counters, s);
   if (err != cudaSuccess) return fail("cudaMemsetAsync(counters)", err);
-  nc_decode_kernel<<<p->num_blocks, kThreads, kSmemBytes, s>>>(*p);
+  if (p->flags & NC_FLAG_VARIANTS) nc_decode_kernel<true><<<p->num_blocks, kThreads, kSmemBytes, s>>>(*p);
+  else nc_decode_kernel<false><<<p->num_blocks, kThreads, kSmemBytes, s>>>(*p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return fail("nc_decode_kernel launch", err);
   return 0;
