@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 from starlette.testclient import TestClient
@@ -184,6 +185,47 @@ def test_call_cut_off_by_max_tokens_keeps_partial_arguments(tiny_checkpoint, tok
     assert streamed == arguments and events[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def model_call_script(parameters: str) -> tuple[str, ...]:
+    return ("Need the file.", "END_THINKING", "START_ACTION",
+            '[\n    {"tool_call_id": "0", "tool_name": "read", "parameters": ' + parameters + '}\n]', "END_ACTION", "END_OF_TURN_TOKEN")
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def cut_inside_the_arguments(tok, script):
+    return next(n for n in range(len(script)) if '"parameters": {"pa' in tok.decode(script[:n]))
+
+
+@pytest.mark.parametrize("case", ["valid", "valid, re-serialized compactly", "cut off by max_tokens", "malformed", "null"])
+def test_the_models_own_call_sent_back_repeats_its_tokens(tiny_checkpoint, tok, case):
+    """A client sends the model's call back (OpenCode does, verbatim): accepted even when its arguments
+    are not a JSON object, and the next prompt is the last prompt followed by every token the model wrote."""
+    parameters = {"malformed": '{"path": "a",}', "null": "null"}.get(case, '{"path": "README.md"}')
+    script = encode_script(tok, *model_call_script(parameters))
+    cut = cut_inside_the_arguments(tok, script) if case == "cut off by max_tokens" else len(script)
+    client, engine, _ = make_client(tiny_checkpoint, script)
+    first = chat_body(tools=TOOLS, max_tokens=cut)
+    message = client.post("/v1/chat/completions", json=first).json()["choices"][0]["message"]
+    first_prompt = engine.seen[-1][0]
+    call = message["tool_calls"][0]
+    if case == "valid, re-serialized compactly":  # the AI SDK sends JSON.stringify(input)
+        call["function"]["arguments"] = json.dumps(json.loads(call["function"]["arguments"]), separators=(",", ":"))
+    elif case != "valid":
+        arguments = call["function"]["arguments"]
+        assert arguments == parameters if case != "cut off by max_tokens" else parameters.startswith(arguments)
+        assert not is_json_object(arguments)
+    history = first["messages"] + [message, {"role": "tool", "tool_call_id": call["id"], "content": "# Demo"}]
+    response = client.post("/v1/chat/completions", json=chat_body(tools=TOOLS, messages=history))
+    assert response.status_code == 200, response.text
+    prompt = engine.seen[-1][0]
+    assert prompt[: len(first_prompt) + cut] == first_prompt + script[:cut]
+
+
 def test_completions_stream_and_usage(tiny_checkpoint, tok):
     client, engine, _ = make_client(tiny_checkpoint, tok.encode("abc"))
     response = client.post("/v1/completions", json={"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
@@ -200,7 +242,9 @@ BAD_REQUESTS = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_nope", "content": "r"}]}, "messages[1].tool_call_id"),
-    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": 5}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": ["x"]}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
     (chat_body(temperature="hot"), "temperature"),
     (chat_body(temperature=-1), "temperature"),
@@ -268,10 +312,11 @@ def test_health_while_loading_then_ready(tiny_checkpoint, tok):
     client = TestClient(create_app(state), raise_server_exceptions=False)
     state.phase = "reading weights 2/3"
     response = client.get("/health")
-    assert response.status_code == 503 and response.json() == {"status": "loading", "phase": "reading weights 2/3"}
+    assert response.status_code == 503 and response.json() == {"status": "loading", "phase": "reading weights 2/3", "pid": os.getpid()}
     assert client.post("/v1/chat/completions", json=chat_body()).status_code == 503
     state.attach(ScriptedEngine(tiny_checkpoint, tok.encode("x")), tiny_checkpoint)
-    assert client.get("/health").json()["status"] == "ok"
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["pid"] == os.getpid()  # the process a user would stop
 
 
 def test_busy_server_answers_503_with_retry_after(tiny_checkpoint, tok):

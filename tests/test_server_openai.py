@@ -257,7 +257,8 @@ def test_serve_command_end_to_end(tiny_checkpoint):
         snippet = json.loads("".join(snippet_lines))
         provider = snippet["provider"]["northcode"]
         assert provider["options"]["baseURL"] == url + "/v1" and provider["npm"] == "@ai-sdk/openai-compatible"
-        assert httpx.get(url + "/health").json()["status"] == "ok"
+        health = httpx.get(url + "/health").json()
+        assert health["status"] == "ok" and health["pid"] == process.pid  # the process to stop
         assert httpx.get(url + "/v1/models").status_code == 401
         client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0)
         reply = client.chat.completions.create(model="north-mini-code", messages=messages("hi"), max_tokens=4, temperature=0)
@@ -295,3 +296,50 @@ def check_bounded_queue(url: str, headers: dict) -> None:
 def post_and_give_up(http: httpx.Client, url: str, body: dict) -> None:
     with pytest.raises(httpx.ReadTimeout):
         http.post(url, json=body, timeout=5)
+
+
+
+READ_TOOL = [{"type": "function", "function": {"name": "read", "description": "Read a file",
+                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def prompt_text(server, body: dict) -> str:
+    ids = httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
+    return httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
+def test_the_models_own_broken_calls_sent_back(client, server):
+    """OpenCode sends the model's calls back verbatim: a call cut off by max_tokens or written malformed
+    must not make the rest of the conversation fail, and the next prompt holds its arguments as written."""
+    first = messages("Read README.md, please.")
+    forced = {"type": "function", "function": {"name": "read"}}  # the random weights write a call only when forced
+    reply = client.chat.completions.create(model="m", messages=first, tools=READ_TOOL, tool_choice=forced, max_tokens=3, **GREEDY)
+    call = reply.choices[0].message.tool_calls[0]
+    history = first + [reply.choices[0].message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "error: the arguments are not a JSON object"}]
+    handwritten = {'{"path": "REA': "cut off", '{"path": "a",}': "malformed", "null": "not an object", '{"path":"b"}': "valid, compact"}
+    for j, arguments in enumerate(handwritten):
+        history.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"call_{j}", "type": "function", "function": {"name": "read", "arguments": arguments}}]})
+        history.append({"role": "tool", "tool_call_id": f"call_{j}", "content": "error"})
+    stream = client.chat.completions.create(model="m", messages=history, tools=READ_TOOL, max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    out = collect_stream(stream)
+    assert out["finish"] in ("stop", "length", "tool_calls") and out["usage"].prompt_tokens > reply.usage.prompt_tokens
+    text = prompt_text(server, {"messages": history, "tools": READ_TOOL})
+    written = call.function.arguments  # what the random weights wrote (noise); an object is rendered with tojson
+    if is_json_object(written):
+        written = json.dumps(json.loads(written), ensure_ascii=False)
+    expected = [written, '{"path": "REA', '{"path": "a",}', "null", '{"path": "b"}']
+    assert [f'"tool_name": "read", "parameters": {a}}}\n]<|END_ACTION|>' in text for a in expected] == [True] * 5, text
+    with pytest.raises(openai.BadRequestError) as info:  # not a string nor an object: a malformed request
+        client.chat.completions.create(model="m", messages=first + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "read", "arguments": 5}}]}], max_tokens=1)
+    assert info.value.body["param"] == "messages[1].tool_calls[0].function.arguments"

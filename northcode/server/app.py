@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,12 +30,14 @@ OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (monitoring
 
 
 async def health(request: Request) -> JSONResponse:
+    """200 when ready, 503 while loading or after a failed load; `pid` names the process to stop."""
     state = request.app.state.server
+    pid = os.getpid()
     if state.load_error is not None:
-        return JSONResponse({"status": "error", "phase": state.phase, "error": state.load_error}, status_code=503)
+        return JSONResponse({"status": "error", "phase": state.phase, "error": state.load_error, "pid": pid}, status_code=503)
     if not state.ready:
-        return JSONResponse({"status": "loading", "phase": state.phase}, status_code=503)
-    body = {"status": "ok", "model": state.options.model_name}
+        return JSONResponse({"status": "loading", "phase": state.phase, "pid": pid}, status_code=503)
+    body = {"status": "ok", "model": state.options.model_name, "pid": pid}
     if state.model_dir is not None:
         body["display_name"] = model_display_name(state.model_dir)  # says RANDOM WEIGHTS when they are
     return JSONResponse(body)

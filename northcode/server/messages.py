@@ -1,9 +1,11 @@
 """normalize_messages: OpenAI chat messages -> what the chat template reads, or a 400 naming the field.
 
 Text parts are joined (only text is supported), `developer` becomes `system`, tool-call arguments
-are parsed from the JSON strings clients send (the template needs objects), reasoning sent back
-under any of its names is kept as reasoning_content, and every tool result must answer a call of
-an earlier assistant message. Lenient elsewhere: tool names need not be in today's tools.
+are parsed from the JSON strings clients send (the template writes objects with tojson), except
+that arguments which are not a JSON object (a call cut off by max_tokens, or malformed) stay the
+text the model wrote, reasoning sent back under any of its names is kept as reasoning_content,
+and every tool result must answer a call of an earlier assistant message. Lenient elsewhere:
+tool names need not be in today's tools.
 """
 
 from __future__ import annotations
@@ -75,16 +77,33 @@ def _tool_call(call, param: str, call_ids: set[str]) -> dict:
         raise RequestError(f"{param} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}", param)
     if not isinstance(call.get("id"), str) or not call["id"]:
         raise RequestError(f"{param}.id must be a non-empty string", f"{param}.id")
-    arguments = fn.get("arguments") or "{}"
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError as err:
-            raise RequestError(f"{param}.function.arguments is not valid JSON ({err})", f"{param}.function.arguments") from err
-    if not isinstance(arguments, dict):
-        raise RequestError(f"{param}.function.arguments must hold a JSON object", f"{param}.function.arguments")
+    arguments = _call_arguments(fn.get("arguments"), f"{param}.function.arguments")
     call_ids.add(call["id"])
     return {"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def _call_arguments(arguments, param: str) -> dict | str:
+    """A call's arguments as the template renders them.
+
+    A JSON string holding an object is parsed (the template writes it back with tojson, which is
+    the spacing the model writes; clients that re-serialize compactly, like the AI SDK, get the
+    model's text back too). Any other string is a call the model cut off or wrote malformed, sent
+    back verbatim by the client: it stays the string, which the template pastes as it is, so the
+    prompt repeats the model's own text (and its tokens still match the prefix cache). A missing,
+    null or empty value is a call without arguments. Anything else is a malformed request.
+    """
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    if not isinstance(arguments, str):
+        raise RequestError(f"{param} must be a string (the JSON text of the arguments) or an object, "
+                           f"not {type(arguments).__name__}", param)
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 def _tool_message(message: dict, param: str, call_ids: set[str]) -> dict:
