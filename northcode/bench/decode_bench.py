@@ -5,8 +5,10 @@ a paged cache of random K/V (decode_setup.py). Per cell and backend: ms per step
 timed steps after warm-up), tokens/s, GB read per step (weights of the experts actually routed, from the
 kernel's per-layer expert counts, plus the KV the rows attend to), and % of speed of light against
 4.8 TB/s and against the read bandwidth measured at the start of the run. Writes a table, JSON and a
-PNG plot. The torch baseline is the engine's TorchBackend (paged, CUDA graphs) on a copy of the same
-pools, falling back to model.py's eager decode if it fails; it is skipped where the copy would not fit.
+PNG plot. `--variants` times megakernel variants (megakernel_variants.py: flags and task-list options)
+against the default in the same run. The torch baseline is the engine's TorchBackend (paged, CUDA graphs)
+on a copy of the same pools, falling back to model.py's eager decode if it fails; it is skipped where the
+copy would not fit.
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ import time
 from pathlib import Path
 
 HELP = "decode throughput: megakernel vs PyTorch, batch x context grid, table + JSON + plot"
-# megakernel variants (name -> Params.flags, wave order, tiles per QKV task); the first is the default
-VARIANTS = {"megakernel": (3, "attention-first", 1), "megakernel/no-prefetch": (0, "attention-first", 1),
-            "megakernel/prefetch-current": (1, "attention-first", 1), "megakernel/moe-first": (3, "moe-first", 1),
-            "megakernel/qkv-pairs": (3, "attention-first", 2), "megakernel/tail-early": (3, "tail-early", 1)}
+
+
+def _variant_names() -> dict[str, str]:
+    """Backend name -> megakernel.VARIANTS key: "megakernel" is the default, "megakernel/<name>" the others."""
+    from northcode.engine.megakernel_variants import VARIANTS as kernel_variants
+
+    return {("megakernel" if name == "default" else f"megakernel/{name}"): name for name in kernel_variants}
+
+
+VARIANTS = _variant_names()  # the first is the default
 DATASHEET_TBPS = 4.8
 TORCH_MAX_KV_TOKENS = 8 * 32768  # the baseline's copy of the pools beyond this many tokens does not fit
 
@@ -65,19 +73,30 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = measure_bandwidth()
     print(f"bandwidth: read {bandwidth['read_tbps']:.2f} TB/s, copy {bandwidth['copy_tbps']:.2f} TB/s")
     results = []
-    backends = [b for b in args.backends if b == "torch"]
+    kernels = []
     if "megakernel" in args.backends:
-        backends = ["megakernel"] + (list(VARIANTS)[1:] if args.variants == [] else args.variants or []) + backends
-    for context in args.context:
-        for batch in args.batch:
-            for backend in backends:
-                cell = bench_cell(config, weights, backend, batch, context, args.steps, args.warmup, bandwidth,
-                                  args.profile)
-                if cell is not None:
-                    results.append(cell)
-                    print(format_row(cell), flush=True)
-    add_speedups(results)
+        kernels = ["megakernel"] + (list(VARIANTS)[1:] if args.variants == [] else args.variants or [])
     args.out.mkdir(parents=True, exist_ok=True)
+    # every megakernel cell first, the torch baseline (graph captures, slower to set up) last: a run cut
+    # short by a time limit keeps the kernel's figures (the JSON is rewritten after every cell)
+    for backends in (kernels, [b for b in args.backends if b == "torch"]):
+        for context in args.context:
+            for batch in args.batch:
+                for backend in backends:
+                    try:
+                        cell = bench_cell(config, weights, backend, batch, context, args.steps, args.warmup, bandwidth,
+                                          args.profile)
+                    except RuntimeError as err:  # a failing variant must not lose the others' figures
+                        if backend == "megakernel" or backend not in VARIANTS:
+                            raise
+                        print(f"{backend} B={batch} ctx={context}: FAILED: {err}", flush=True)
+                        continue
+                    if cell is not None:
+                        results.append(cell)
+                        print(format_row(cell), flush=True)
+                        (args.out / "decode_bench.json").write_text(
+                            json.dumps(dict(bandwidth=bandwidth, results=results), indent=1))
+    add_speedups(results)
     (args.out / "decode_bench.json").write_text(json.dumps(dict(bandwidth=bandwidth, results=results), indent=1))
     plot(results, args.out / "decode_bench.png")
     print(table(results))
@@ -139,14 +158,14 @@ def bench_cell(config, weights, backend: str, batch: int, context: int, steps: i
     cache = paged_cache(config, lengths, steps + warmup + 1, "cuda", seed=batch)  # +1: the profiled step
     breakdown = None
     if backend in VARIANTS:
-        ms, counts, breakdown = time_megakernel(config, weights, cache, steps, warmup, *VARIANTS[backend], profile)
+        ms, counts, breakdown = time_megakernel(config, weights, cache, steps, warmup, VARIANTS[backend], profile)
     else:
         ms, counts = time_torch(config, weights, cache, steps, warmup)
     del cache
     torch.cuda.empty_cache()
     nbytes = bytes_per_step(config, counts, [context + warmup + steps // 2] * batch)
     if breakdown:
-        print(f"  profile: span {breakdown['span_us']} us, busy {breakdown['busy_fraction']:.0%}, median layer "
+        print(f"  profile {backend} B={batch}: span {breakdown['span_us']} us, busy {breakdown['busy_fraction']:.0%}, median layer "
               f"{sorted(breakdown['layer_us'])[len(breakdown['layer_us']) // 2]} us; "
               + ", ".join(f"{k} wait {v['wait_us']} busy {v['busy_us']}" for k, v in breakdown["by_type"].items()))
     return dict(backend=backend, batch=batch, context=context, ms_per_step=ms, tokens_per_s=batch * 1000 / ms, profile=breakdown,
@@ -155,14 +174,14 @@ def bench_cell(config, weights, backend: str, batch: int, context: int, steps: i
                 sol_measured=nbytes / (bandwidth["read_tbps"] * 1e12) * 1e3 / ms)
 
 
-def time_megakernel(config, weights, cache, steps: int, warmup: int, flags: int = 3, order: str = "attention-first",
-                    qkv_tiles: int = 1, profile: bool = False) -> tuple[float, list[int], dict | None]:
+def time_megakernel(config, weights, cache, steps: int, warmup: int, variant: str = "default",
+                    profile: bool = False) -> tuple[float, list[int], dict | None]:
     import torch
 
     from northcode.engine.megakernel import Megakernel, RowSpec
 
-    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables)
-    kernel.params.flags, kernel.wave_order, kernel.qkv_tiles = flags, order, qkv_tiles
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
+                        variant=variant)
     tokens = torch.arange(len(cache.lengths), dtype=torch.int32) + 1000
     rows = lambda step: [RowSpec(position=n + step, seq=b) for b, n in enumerate(cache.lengths)]  # noqa: E731
     for step in range(warmup):

@@ -93,12 +93,15 @@ enum TaskType : int {
   NUM_TASK_TYPES = 15,
 };
 
-// Params.flags bits. DEEP_LOADS (variant kernel only): o_proj multiplies two 16-row tiles at once (16 loads of
-// 16 B in flight per lane instead of 8; the schedule pairs QKV and router tiles the same way).
+// Params.flags bits. DEEP_LOADS (variant kernel only): single 16-row tiles (QKV, o_proj, router) are copied
+// whole into shared memory with cp.async, activation rows too, then multiplied (mma_tiles_deep).
 // VARIANTS: launch the variant build of the kernel (kVariants = true below), the only one that knows the
 // arrival tickets, OPROJ_DRAIN and DEEP_LOADS; the default kernel compiles none of them (its code and
 // registers stay those of the tested default path) and refuses their task forms.
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_DEEP_LOADS = 4, NC_FLAG_VARIANTS = 8 };
+// DEEP_MOE (variant kernel only): the two-tile products (MoE up / down drains, dense up, LM head) the same way.
+enum Flags : int {
+  NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_DEEP_LOADS = 4, NC_FLAG_VARIANTS = 8, NC_FLAG_DEEP_MOE = 16
+};
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -195,6 +198,11 @@ __device__ __forceinline__ uint4 load_act16(const void* ptr) {  // written in th
 }
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(ptr));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
 }
 
 __device__ __forceinline__ long long global_ns() {
@@ -402,6 +410,107 @@ struct GemmSmem {
   ArgMax best[128];
 };
 
+// ---- the deep product (NC_FLAG_DEEP_LOADS / NC_FLAG_DEEP_MOE, variant kernel only) ----
+// NT 16-row tiles, as mma_tiles<NT> (each warp adds the same k-chunks in the same order into each tile's
+// accumulators: bit-identical sums), but every tile is requested whole at once: each lane copies its own
+// weight pieces (rows g and g+8 of each of its k-chunks, 16 B each) and the block copies the batch rows of
+// `act` into shared memory with cp.async, then waits once and multiplies from shared memory. Up to 128 KB of
+// weights in flight per block (K = 4096 at NT = 1, K = 2048 at NT = 2) instead of 32 / 64 KB, one round
+// trip per product instead of K / 1024 (NT = 1) or K / 512 (NT = 2), and no registers held for the loads.
+// Shared memory (the variant kernel's larger allocation): GemmSmem, then the staged activation rows
+// [8][K + 8] (padded by 16 B), then the weight pieces [kDeepSlots][2][256 threads] x 16 B.
+// Uses: NT = 1 at K = H or Hq*D (QKV, o_proj, router); NT = 2 at K = H or I (MoE up / down, dense up, LM head).
+// Not inlined: inlined into the variant kernel it pushes it past 255 registers (spills); as a call it costs
+// a 96-byte stack frame for the registers saved around the call, once per product.
+constexpr int kMaxK = kHidden > kQSize ? (kHidden > kExpertWidth ? kHidden : kExpertWidth)
+                                       : (kQSize > kExpertWidth ? kQSize : kExpertWidth);
+constexpr int chunks_per_warp(int K) { return (K / 32 + kWarps - 1) / kWarps; }
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int kDeepSlots = cmax(cmax(chunks_per_warp(kHidden), chunks_per_warp(kQSize)),
+                                2 * cmax(chunks_per_warp(kHidden), chunks_per_warp(kExpertWidth)));
+constexpr int kDeepActOffset = (int)sizeof(GemmSmem);
+constexpr int kDeepWeightOffset = kDeepActOffset + kMaxBatch * (kMaxK + 8) * 2;
+constexpr int kDeepBytes = kDeepWeightOffset + kDeepSlots * 2 * kThreads * 16;
+constexpr int kSmemVariantBytes = kDeepBytes > kSmemBytes ? kDeepBytes : kSmemBytes;  // 202 KB at North Mini Code
+static_assert(sizeof(GemmSmem) % 16 == 0 && kDeepWeightOffset % 16 == 0, "deep product: 16-byte alignment");
+static_assert(kSmemVariantBytes <= 227 * 1024, "deep product: shared memory beyond the 227 KB a block may have");
+
+template <int NT>
+__device__ __noinline__ void mma_tiles_deep(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K, const bf16* act,
+                               int act_stride, int batch, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  bf16* act_s = reinterpret_cast<bf16*>(smem + kDeepActOffset);
+  uint4* w_s = reinterpret_cast<uint4*>(smem + kDeepWeightOffset);  // slot (j * NT + n) * 2 + half
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int nchunk = K / 32, row_pieces = K / 8, stride = K + 8;
+  __syncthreads();  // the previous product's epilogue has read s.out and its staged rows
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const bf16* w_lo = w_tile[n] + (size_t)min(g, valid_rows[n] - 1) * K + 8 * t;
+    const bf16* w_hi = w_tile[n] + (size_t)min(g + 8, valid_rows[n] - 1) * K + 8 * t;
+    for (int j = 0, c = warp; c < nchunk; ++j, c += kWarps) {
+      cp_async16(w_s + ((j * NT + n) * 2) * kThreads + threadIdx.x, w_lo + c * 32);
+      cp_async16(w_s + ((j * NT + n) * 2 + 1) * kThreads + threadIdx.x, w_hi + c * 32);
+    }
+  }
+  for (int i = threadIdx.x; i < batch * row_pieces; i += kThreads) {
+    const int r = i / row_pieces, c = i % row_pieces;
+    cp_async16(act_s + r * stride + c * 8, act + (size_t)r * act_stride + c * 8);
+  }
+  asm volatile("cp.async.commit_group;");
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();  // the staged rows come from every thread
+  const bool has_row = g < batch;
+  const bf16* a_row = act_s + g * stride + 8 * t;
+  float acc[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  for (int j = 0, c = warp; c < nchunk; ++j, c += kWarps) {
+    const uint4 xa = has_row ? *reinterpret_cast<const uint4*>(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const uint4 wa = w_s[((j * NT + n) * 2) * kThreads + threadIdx.x];
+      const uint4 wb = w_s[((j * NT + n) * 2 + 1) * kThreads + threadIdx.x];
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};"
+          : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
+          : "r"(wa.x), "r"(wb.x), "r"(wa.y), "r"(wb.y), "r"(xa.x), "r"(xa.y));
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};"
+          : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
+          : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {  // [16][8] per (warp, tile), reduced in warp order as mma_tiles does
+    float* r = s.red + (warp * NT + n) * 128;
+    r[g * 8 + 2 * t] = acc[n][0];
+    r[g * 8 + 2 * t + 1] = acc[n][1];
+    r[(g + 8) * 8 + 2 * t] = acc[n][2];
+    r[(g + 8) * 8 + 2 * t + 1] = acc[n][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
+    const int n = i >> 7, e = i & 127;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += s.red[(w * NT + n) * 128 + e];
+    s.out[i] = sum;
+  }
+  __syncthreads();
+}
+
+// mma_tiles<NT>, or mma_tiles_deep<NT> when `deep` (a flag of the variant kernel).
+template <int NT>
+__device__ __forceinline__ void product(bool deep, const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
+                                        const bf16* act, int act_stride, int batch, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  if (deep) mma_tiles_deep<NT>(w_tile, valid_rows, K, act, act_stride, batch, smem);
+  else mma_tiles<NT>(w_tile, valid_rows, K, act, act_stride, batch, s.red, s.out);
+}
+
 __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int which) {
   return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
 }
@@ -509,6 +618,7 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
                               : layer_ptr(p, layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
 }
 
+template <bool kVariants>
 __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int end = t.arg[0] + t.arg[1];
@@ -519,6 +629,11 @@ __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
       mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
+    } else if (kVariants && (p.flags & NC_FLAG_DEEP_LOADS)) {
+      const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
+      const int valid[1] = {16};
+      mma_tiles_deep<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
+      qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
@@ -543,11 +658,6 @@ struct AttnSmem {
   float m[kGroup], l[kGroup], alpha[kGroup];
 };
 static_assert(sizeof(AttnSmem) <= kSmemBytes, "attention shared memory");
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-}
 
 __device__ void load_kv_page(const Params& p, AttnSmem& s, int stage, int page, int kvh) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces per token row
@@ -708,39 +818,30 @@ __device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
   if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
 }
 
-// Tiles `tile` and `tile + 1` in one product (NC_FLAG_DEEP_LOADS): twice the loads in flight per lane.
-__device__ void oproj_tile_pair(const Params& p, int layer, int tile, GemmSmem& s) {
-  const bf16* w = layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize;
-  const bf16* tiles[2] = {w, w + (size_t)16 * kQSize};
-  const int valid[2] = {16, 16};
-  mma_tiles<2>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
-  const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
-  if (b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + (tile + n) * 16 + r, bf16_round(s.out[i]));
+template <bool kVariants>
+__device__ void oproj_tile_v(const Params& p, int layer, int tile, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  if (!(kVariants && (p.flags & NC_FLAG_DEEP_LOADS))) return oproj_tile(p, layer, tile, s);
+  const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
+  const int valid[1] = {16};
+  mma_tiles_deep<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, smem);
+  const int i = threadIdx.x, r = i >> 3, b = i & 7;
+  if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
 }
 
 template <bool kVariants>
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  const int end = t.arg[0] + t.arg[1];
-  for (int tile = t.arg[0]; tile < end; ++tile) {
-    if (kVariants && (p.flags & NC_FLAG_DEEP_LOADS) && tile + 1 < end) oproj_tile_pair(p, t.layer, tile++, s);
-    else oproj_tile(p, t.layer, tile, s);
-  }
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) oproj_tile_v<kVariants>(p, t.layer, tile, smem);
 }
 
 __device__ int claim(const Params& p, int head, int* shared_slot);  // section 11
 
-// OPROJ_DRAIN: one per block; tiles (pairs with DEEP_LOADS) claimed at run time, so blocks that leave the
-// MoE up queue early take more of o_proj (every block's copy waits for the whole attention first).
+// OPROJ_DRAIN: one per block; tiles claimed at run time, so blocks that leave the MoE up queue early take
+// more of o_proj (every block's copy waits for the whole attention first).
 __device__ void task_oproj_drain(const Params& p, const Task& t, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  int* claimed = reinterpret_cast<int*>(&s.best[0]);
-  const bool pairs = p.flags & NC_FLAG_DEEP_LOADS;
-  const int claims = pairs ? kHidden / 32 : kHidden / 16;
-  for (int c = claim(p, t.arg[0], claimed); c < claims; c = claim(p, t.arg[0], claimed)) {
-    if (pairs) oproj_tile_pair(p, t.layer, 2 * c, s);
-    else oproj_tile(p, t.layer, c, s);
-  }
+  int* claimed = reinterpret_cast<int*>(&reinterpret_cast<GemmSmem*>(smem)->best[0]);
+  for (int tile = claim(p, t.arg[0], claimed); tile < kHidden / 16; tile = claim(p, t.arg[0], claimed))
+    oproj_tile_v<true>(p, t.layer, tile, smem);
 }
 
 // ====  9. Task: ROUTER  ========================================================================
@@ -754,7 +855,10 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    if (kVariants && (p.flags & NC_FLAG_DEEP_LOADS))
+      mma_tiles_deep<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
+    else
+      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
@@ -867,6 +971,7 @@ __device__ int claim(const Params& p, int head, int* shared_slot) {
 
 __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f + expf(-g))); }
 
+template <bool kVariants>
 __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   int* claimed = reinterpret_cast<int*>(&s.best[0]);
@@ -880,7 +985,7 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
     for (int j = (tile % kTilesPerSlot) * 2; j < (tile % kTilesPerSlot) * 2 + 2; ++j) {
       const bf16* tiles[2] = {w + (size_t)j * 16 * kHidden, w + (size_t)(kExpertWidth + j * 16) * kHidden};
       const int valid[2] = {16, 16};
-      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      product<2>(kVariants && (p.flags & NC_FLAG_DEEP_MOE), tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
       const int i = threadIdx.x, r = i >> 3, b = i & 7;
       if (i < 128 && b < p.batch_size) {
         const float act = bf16_round(silu_bf16(bf16_round(s.out[i])) * bf16_round(s.out[128 + i]));
@@ -891,6 +996,7 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   }
 }
 
+template <bool kVariants>
 __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   int* claimed = reinterpret_cast<int*>(&s.best[0]);
@@ -909,8 +1015,8 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
     for (int half = 0; half < 2; ++half) {
       const bf16* tiles[2] = {w + (size_t)half * 32 * kExpertWidth, w + (size_t)(half * 32 + 16) * kExpertWidth};
       const int valid[2] = {16, 16};
-      mma_tiles<2>(tiles, valid, kExpertWidth, p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth, kExpertWidth,
-                   p.batch_size, s.red, s.out);
+      product<2>(kVariants && (p.flags & NC_FLAG_DEEP_MOE), tiles, valid, kExpertWidth,
+                 p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth, kExpertWidth, p.batch_size, smem);
       const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
       if (weight != 0.f)
         atomicAdd(p.x + (size_t)b * kHidden + row0 + half * 32 + n * 16 + r, bf16_round(bf16_round(s.out[i]) * weight));
@@ -921,13 +1027,14 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
 // ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================
 //   The dense layer's SwiGLU: up tiles (16 channels of gate and up, K = H) -> dense_act; down tiles
 //   (32 rows of H, K = I_dense) -> x += bf16(result).
+template <bool kVariants>
 __device__ void task_dense_up(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[2] = {layer_ptr(p, t.layer, LP_GATE) + (size_t)tile * 16 * kHidden,
                             layer_ptr(p, t.layer, LP_UP) + (size_t)tile * 16 * kHidden};
     const int valid[2] = {16, 16};
-    mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    product<2>(kVariants && (p.flags & NC_FLAG_DEEP_MOE), tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
     const int i = threadIdx.x, r = i >> 3, b = i & 7;
     if (i < 128 && b < p.batch_size) {
       const float act = bf16_round(silu_bf16(bf16_round(s.out[i])) * bf16_round(s.out[128 + i]));
@@ -952,6 +1059,7 @@ __device__ void task_dense_down(const Params& p, const Task& t, unsigned char* s
 //   32-row tiles of the (tied) LM head over the final-normed h: logits[b][v] = logit_scale * dot.
 //   Also keeps, per row, the task's best logit (greedy) and best logit/T + Gumbel noise (sampling
 //   without filters) in lm_partial, so SAMPLE needs no pass over the vocabulary on those paths.
+template <bool kVariants>
 __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
@@ -964,7 +1072,7 @@ __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem
     const bf16* tiles[2] = {p.lm_head + (size_t)min(row0, kVocab - 1) * kHidden,
                             p.lm_head + (size_t)min(row0 + 16, kVocab - 1) * kHidden};
     const int valid[2] = {max(1, min(16, kVocab - row0)), max(1, min(16, kVocab - row0 - 16))};
-    mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    product<2>(kVariants && (p.flags & NC_FLAG_DEEP_MOE), tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
     const int v = row0 + n * 16 + r;
     if (live && v < kVocab) {
       const float logit = s.out[i] * p.logit_scale;
@@ -1162,17 +1270,17 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
       switch (t.type) {
         case TASK_STOP: break;
         case TASK_NORM: task_norm(p, t, smem); break;
-        case TASK_QKV: task_qkv(p, t, smem); break;
+        case TASK_QKV: task_qkv<kVariants>(p, t, smem); break;
         case TASK_ATTN: task_attn<kVariants>(p, t, smem); break;
         case TASK_COMBINE: task_combine(p, t, smem); break;
         case TASK_OPROJ: task_oproj<kVariants>(p, t, smem); break;
         case TASK_ROUTER: task_router<kVariants>(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
-        case TASK_MOE_UP: task_moe_up(p, t, smem); break;
-        case TASK_MOE_DOWN: task_moe_down(p, t, smem); break;
-        case TASK_DENSE_UP: task_dense_up(p, t, smem); break;
+        case TASK_MOE_UP: task_moe_up<kVariants>(p, t, smem); break;
+        case TASK_MOE_DOWN: task_moe_down<kVariants>(p, t, smem); break;
+        case TASK_DENSE_UP: task_dense_up<kVariants>(p, t, smem); break;
         case TASK_DENSE_DOWN: task_dense_down(p, t, smem); break;
-        case TASK_LM_HEAD: task_lm_head(p, t, smem); break;
+        case TASK_LM_HEAD: task_lm_head<kVariants>(p, t, smem); break;
         case TASK_SAMPLE: task_sample(p, t, smem); break;
         case TASK_OPROJ_DRAIN: if (kVariants) task_oproj_drain(p, t, smem); break;
         default: if (threadIdx.x == 0) report(p, NC_ERR_BAD_TASK, i, t.type);
@@ -1210,20 +1318,32 @@ extern "C" int nc_smem_bytes(void) { return kSmemBytes; }
 // The last error's message (static storage; valid until the next failing call).
 extern "C" const char* nc_last_error(void) { return g_last_error; }
 
-// Raises the kernel's shared-memory limit; 0 ok, -1 error (see nc_last_error).
+// Raises one kernel's shared-memory limit and checks it can be resident; 0 ok, -1 error (nc_last_error).
+static int init_kernel(const void* kernel, int bytes, const char* name) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return fail("cudaFuncSetAttribute", err);
+  int blocks = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, bytes);
+  if (err != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", err);
+  if (blocks < 1) {
+    snprintf(g_last_error, sizeof(g_last_error), "the %s kernel cannot be resident (0 blocks per SM)", name);
+    return -1;
+  }
+  return 0;
+}
+
+static char g_variant_error[512] = "nc_init was not called";  // why the variant kernel cannot run ("" if it can)
+
+// Prepares both kernels; 0 ok, -1 error (see nc_last_error). Only the default kernel must succeed: a variant
+// kernel that cannot start (its deep products want kSmemVariantBytes) fails its launches, never the default's.
 extern "C" int nc_init(void) {
-  for (int variants = 0; variants < 2; ++variants) {
-    const void* kernel = variants ? (const void*)nc_decode_kernel<true> : (const void*)nc_decode_kernel<false>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err != cudaSuccess) return fail("cudaFuncSetAttribute", err);
-    int blocks = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, kSmemBytes);
-    if (err != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", err);
-    if (blocks < 1) {
-      snprintf(g_last_error, sizeof(g_last_error), "the %s kernel cannot be resident (0 blocks per SM)",
-               variants ? "variant" : "default");
-      return -1;
-    }
+  if (init_kernel((const void*)nc_decode_kernel<false>, kSmemBytes, "default") != 0) return -1;
+  if (init_kernel((const void*)nc_decode_kernel<true>, kSmemVariantBytes, "variant") != 0) {
+    snprintf(g_variant_error, sizeof(g_variant_error), "variant kernel (%d bytes of shared memory): %s",
+             kSmemVariantBytes, g_last_error);
+    cudaGetLastError();  // clear the (non-sticky) error state: the default path starts clean
+  } else {
+    g_variant_error[0] = 0;
   }
   return 0;
 }
@@ -1239,7 +1359,11 @@ extern "C" int nc_decode_step(const Params* p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(p->counters, 0, sizeof(unsigned) * (size_t)p->num_counters, s);
   if (err != cudaSuccess) return fail("cudaMemsetAsync(counters)", err);
-  if (p->flags & NC_FLAG_VARIANTS) nc_decode_kernel<true><<<p->num_blocks, kThreads, kSmemBytes, s>>>(*p);
+  if ((p->flags & NC_FLAG_VARIANTS) && g_variant_error[0]) {
+    snprintf(g_last_error, sizeof(g_last_error), "%s", g_variant_error);
+    return -1;
+  }
+  if (p->flags & NC_FLAG_VARIANTS) nc_decode_kernel<true><<<p->num_blocks, kThreads, kSmemVariantBytes, s>>>(*p);
   else nc_decode_kernel<false><<<p->num_blocks, kThreads, kSmemBytes, s>>>(*p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return fail("nc_decode_kernel launch", err);

@@ -24,21 +24,25 @@ import torch
 
 from northcode import paths
 from northcode.config import ModelConfig
+from northcode.engine.megakernel_variants import (FLAG_DEEP_LOADS, FLAG_DEEP_MOE, FLAG_PREFETCH_CURRENT,
+                                                  FLAG_PREFETCH_NEXT, FLAG_VARIANTS, NEW_VARIANTS, VARIANTS, Variant,
+                                                  variant_from_env)
 from northcode.engine.megakernel_tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, WAVE_ORDERS, Schedule,
                                                TaskType, attention_splits, build_schedule, flatten, make_task,
                                                place_waves, summarize_profile)
 
-__all__ = ["Megakernel", "MegakernelBackend", "RowSpec", "Schedule", "TaskType", "attention_splits", "build_library",
+__all__ = ["FLAG_DEEP_LOADS", "FLAG_DEEP_MOE", "FLAG_PREFETCH_CURRENT", "FLAG_PREFETCH_NEXT", "FLAG_VARIANTS", "NEW_VARIANTS", "VARIANTS",
+           "Megakernel", "MegakernelBackend", "RowSpec", "Schedule", "Variant", "variant_from_env", "TaskType",
+           "attention_splits", "build_library",
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
            "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS", "WAVE_ORDERS"]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "megakernel.cu"
 NVCC_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
                    "NC_TOPK", "NC_EXPERT_WIDTH", "NC_DENSE_WIDTH", "NC_MAX_BATCH", "NC_MAX_SPLITS", "NC_RMS_NORM",
                    "NC_SELECT_SIGMOID", "NC_NORM_TOPK")
-FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
 MAX_BATCH = 8
 STATUS_MESSAGES = {1: "a dependency wait timed out (counter {0}, target {1}): the step hung",
                    2: "task {0} has an unknown type {1}", 3: "layer {0}, row {1}: a needed KV page is unmapped",
@@ -49,6 +53,8 @@ LAYER_PTR_NAMES = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_at
                    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate.weight",
                    "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate_proj.weight",
                    "mlp.up_proj.weight", "mlp.down_proj.weight")  # order of LayerPtr in the .cu
+
+
 
 # --- geometry and build ---
 
@@ -189,7 +195,7 @@ class Megakernel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], k_pool: torch.Tensor,
                  v_pool: torch.Tensor, block_tables: torch.Tensor, num_blocks: int | None = None,
-                 timeout_s: float = 20.0) -> None:
+                 timeout_s: float = 20.0, variant: str = "default") -> None:
         from northcode.engine.model import rope_inv_freq
 
         self.config, self.device = config, k_pool.device
@@ -207,13 +213,19 @@ class Megakernel:
             timeout_ns=int(timeout_s * 1e9), **{name: getattr(self, name).data_ptr() for name in SCRATCH_FIELDS})
         self.set_cache(k_pool, v_pool, block_tables)
         self._schedules: dict[tuple, Schedule] = {}
-        self.wave_order, self.qkv_tiles = "attention-first", 1  # schedule variants (bench --variants)
-        self.params.flags = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
+        self.set_variant(variant)
         self.trace_x = self.trace_router = None  # enable_trace() allocates them
         row_bytes = MAX_BATCH * struct.calcsize(ROW_FORMAT)
         self._rows_host = [torch.zeros(row_bytes, dtype=torch.uint8).pin_memory() for _ in range(4)]
         self._rows_copied = [torch.cuda.Event() for _ in range(4)]  # a pinned buffer is rewritten only after its copy
         self._rows_turn = 0
+
+    def set_variant(self, name: str) -> None:
+        """Run later steps as VARIANTS[name] (flags and schedule options); "default" is the tested path."""
+        if name not in VARIANTS:
+            raise ValueError(f"megakernel: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        self.variant_name, self.variant = name, VARIANTS[name]
+        self.params.flags = self.variant.flags
 
     def _check_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         checked = {}
@@ -286,9 +298,11 @@ class Megakernel:
     def schedule(self, batch: int, context: int) -> Schedule:
         """The (cached) task lists for this batch size and longest context."""
         splits = attention_splits(self.config, batch, self.num_blocks, context)
-        key = (batch, splits, self.wave_order, self.qkv_tiles)
+        v = self.variant
+        key = (batch, splits, v)
         if key not in self._schedules:
-            s = build_schedule(self.config, batch, self.num_blocks, splits, self.wave_order, self.qkv_tiles)
+            s = build_schedule(self.config, batch, self.num_blocks, splits, v.wave_order, v.qkv_tiles, v.fuse_combine,
+                               v.oproj_drain, v.topk_ticket)
             self._schedules[key] = Schedule(s.tasks.to(self.device), s.task_start.to(self.device), s.num_counters,
                                             s.num_lm_tasks)
         return self._schedules[key]

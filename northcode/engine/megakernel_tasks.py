@@ -39,6 +39,7 @@ class TaskType(IntEnum):  # mirrors TaskType in csrc/megakernel.cu
     DENSE_DOWN = 11
     LM_HEAD = 12
     SAMPLE = 13
+    OPROJ_DRAIN = 14  # variant kernel only (Params.flags VARIANTS)
 
 
 def make_task(kind: TaskType, layer: int = 0, args: tuple[int, ...] = (), waits: tuple[tuple[int, int], ...] = (),
@@ -97,11 +98,16 @@ def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: 
 
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                   order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
+                   order: str = "attention-first", qkv_tiles: int = 1, fuse_combine: bool = False,
+                   oproj_drain: bool = False, topk_ticket: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row tiles per QKV task (2: the
-    kernel multiplies them together, twice the loads in flight)."""
+    kernel multiplies them together, twice the loads in flight). The rest need the variant kernel (flag VARIANTS):
+    fuse_combine: no COMBINE tasks, the last ATTN split of a (row, KV head) to arrive merges (ticket: its attn
+    counter), and o_proj waits for every split; oproj_drain: o_proj from a claimed queue, one OPROJ_DRAIN per
+    block in the OPROJ wave's place; topk_ticket: no TOPK task, the last ROUTER task to finish runs it, the
+    drains wait for every ROUTER task."""
     assert order in WAVE_ORDERS, order
     c = config
     counters = _Counters()
@@ -127,6 +133,12 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
                           attn_done + b * kvh + g) for b in range(batch) for s in range(splits[layer]) for g in range(kvh)]
         combine = [make_task(TaskType.COMBINE, layer, (b, g, splits[layer]), ((attn_done + b * kvh + g, splits[layer]),),
                              combine_done) for b in range(batch) for g in range(kvh)]
+        combine_target = batch * kvh
+        if fuse_combine:  # every split signals combine_done once it (and, if last, its merge) is done
+            attn = [make_task(TaskType.ATTN, layer, (b, g, s, splits[layer], window, attn_done + b * kvh + g + 1),
+                              ((qkv_done + g, per_group[g]),), combine_done)
+                    for b in range(batch) for s in range(splits[layer]) for g in range(kvh)]
+            combine, combine_target = [], batch * kvh * splits[layer]
         if c.is_dense(layer):
             up_done = counters.alloc()
             up_tiles = c.dense_intermediate_size // 16
@@ -139,21 +151,33 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
             router_done, topk_done, up_head, down_head = (counters.alloc() for _ in range(4))
             slot_done = counters.alloc(c.num_experts)
             router_tiles = math.ceil(c.num_experts / 16)
-            waves.append([make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
-                          for t in range(router_tiles)])
-            waves.append([make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])
-            up = ("each", make_task(TaskType.MOE_UP, layer, (up_head, slot_done), ((topk_done, 1),)))
-            down = ("each", make_task(TaskType.MOE_DOWN, layer, (down_head, slot_done), ((topk_done, 1),), mlp_done))
+            routed_target = 1
+            if topk_ticket:  # ticket: router_done; every ROUTER task signals topk_done after its (last: TOPK) work
+                waves.append([make_task(TaskType.ROUTER, layer, (t, 1, router_done + 1, router_tiles), ((norm_done, batch),),
+                                        topk_done) for t in range(router_tiles)])
+                routed_target = router_tiles
+            else:
+                waves.append([make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
+                              for t in range(router_tiles)])
+                waves.append([make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])
+            up = ("each", make_task(TaskType.MOE_UP, layer, (up_head, slot_done), ((topk_done, routed_target),)))
+            down = ("each", make_task(TaskType.MOE_DOWN, layer, (down_head, slot_done), ((topk_done, routed_target),),
+                                      mlp_done))
             mlp_target = num_blocks
         oproj_tiles = c.hidden_size // 16
-        oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),), oproj_done)
+        oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, combine_target),), oproj_done)
                  for t in range(oproj_tiles)]
+        oproj_target = len(oproj)
+        if oproj_drain:
+            oproj = ("each", make_task(TaskType.OPROJ_DRAIN, layer, (counters.alloc(),), ((combine_done, combine_target),),
+                                       oproj_done))
+            oproj_target = num_blocks
         if c.is_dense(layer):
             waves.append(oproj)
         else:
             waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
                       "tail-early": [attn, combine, up, oproj, down]}[order]
-        previous = ((oproj_done, oproj_tiles), (mlp_done, mlp_target))
+        previous = ((oproj_done, oproj_target), (mlp_done, mlp_target))
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -192,7 +216,7 @@ def summarize_profile(tasks: torch.Tensor, task_start: torch.Tensor, times: torc
                                             busy_us=round(float((done - met)[mask].sum()) / 1e3, 1))
     layer_end: dict[int, float] = {}
     for i, (kind, layer) in enumerate(zip(kinds, layers)):
-        if kind == TaskType.OPROJ:
+        if kind in (TaskType.OPROJ, TaskType.OPROJ_DRAIN):
             layer_end[layer] = max(layer_end.get(layer, 0.0), float(done[i] - origin) / 1e3)
     ends = [layer_end[k] for k in sorted(layer_end)]
     layer_us = [round(b - a, 1) for a, b in zip([0.0] + ends, ends)]
