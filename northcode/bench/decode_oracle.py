@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from northcode.config import ModelConfig
+from northcode.engine.model import expert_weights
 
 
 @dataclass
@@ -126,14 +127,7 @@ class Oracle:
 
 def route_weights(logits: torch.Tensor, ids: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """model.route's weights for given expert ids: logits [N, E], ids [N, k] -> [N, k] in logits' dtype."""
-    chosen = logits.gather(-1, ids)
-    if config.expert_selection_fn == "softmax":
-        weights = torch.softmax(chosen, dim=-1, dtype=torch.float32)
-    else:
-        weights = torch.sigmoid(chosen)
-        if config.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype)
+    return expert_weights(logits.gather(-1, ids), config).to(logits.dtype)
 
 
 # --- comparisons ---

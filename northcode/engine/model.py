@@ -109,13 +109,18 @@ def route(h: torch.Tensor, router: torch.Tensor, config: ModelConfig) -> tuple[t
     """
     logits = F.linear(h, router)  # [N, E]
     top_logits, expert_ids = torch.topk(logits, config.num_experts_per_tok, dim=-1)
+    return expert_weights(top_logits, config).to(h.dtype), expert_ids
+
+
+def expert_weights(chosen_logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The config's selection function on the chosen experts' router logits: [N, k] -> [N, k]
+    (softmax in fp32, or sigmoid in the logits' dtype, renormalised when norm_topk_prob)."""
     if config.expert_selection_fn == "softmax":
-        weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
-    else:
-        weights = torch.sigmoid(top_logits)
-        if config.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(h.dtype), expert_ids
+        return torch.softmax(chosen_logits, dim=-1, dtype=torch.float32)
+    weights = torch.sigmoid(chosen_logits)
+    if config.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
 
 
 def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from northcode.config import ModelConfig
-from northcode.engine.model import route, run_experts
+from northcode.engine.model import expert_weights, route, run_experts
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10 on
 MOE_PATHS = ("grouped", "gathered")  # "loop" (model.run_experts, host syncs) serves fp32 prefill on a GPU
@@ -81,13 +81,7 @@ def route_logits(logits: torch.Tensor, config: ModelConfig) -> tuple[torch.Tenso
     The k experts come in no particular order (sorted=False: CUDA's top-k then skips its sort); the
     paths here sort the pairs themselves or do not care."""
     top_logits, expert_ids = torch.topk(logits, config.num_experts_per_tok, dim=-1, sorted=False)
-    if config.expert_selection_fn == "softmax":
-        weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
-    else:
-        weights = torch.sigmoid(top_logits)
-        if config.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), expert_ids
+    return expert_weights(top_logits, config).to(logits.dtype), expert_ids
 
 
 def add_moe(x: torch.Tensor, h: torch.Tensor, layer, config: ModelConfig, path: str,

@@ -91,14 +91,9 @@ class FollowKernelRouting:
                 ids = mine
             else:
                 self.mismatches.append((layer, self.row, ids[0].tolist(), mine[0].tolist()))
-        chosen = logits.gather(-1, ids)
-        if config.expert_selection_fn == "softmax":
-            weights = torch.softmax(chosen, dim=-1, dtype=torch.float32)
-        else:
-            weights = torch.sigmoid(chosen)
-            if config.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(h.dtype), ids
+        from northcode.engine.model import expert_weights
+
+        return expert_weights(logits.gather(-1, ids), config).to(h.dtype), ids
 
     @contextlib.contextmanager
     def active(self):
