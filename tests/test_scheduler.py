@@ -130,3 +130,25 @@ def test_a_finished_request_publishes_prompt_and_output_for_the_next_turn():
     step(scheduler)
     # 19 of its 20 tokens have KV (the last output token never ran through the model): 4 full blocks
     assert second.num_cached_tokens == 16
+
+
+def test_after_a_backend_restart_sequences_are_taken_back_and_recompute_what_they_had():
+    old = make_scheduler(chunk_size=8)
+    first, second, waiting = make_seq(6, max_new=6), make_seq(6, max_new=6), make_seq(4, max_new=3)
+    for seq in (first, second):
+        old.add(seq)
+    for _ in range(3):
+        step(old)
+    old.add(waiting)
+    assert first.output_ids == [7, 7, 7] and first.status is SequenceStatus.RUNNING
+    new = make_scheduler(chunk_size=8)  # the restarted engine's: a fresh pool, nothing cached
+    for seq in (waiting, second, first):
+        new.take_back(seq)
+    assert [s.arrival for s in new.waiting] == sorted(s.arrival for s in (first, second, waiting))
+    assert first.row is None and first.num_computed == 0 and first.num_preemptions == 1
+    assert waiting.num_preemptions == 0
+    plan = step(new)  # the prompt and the 3 tokens so far are prefilled again, then decoding goes on
+    assert [(c.sequence, c.start, c.end) for c in plan.prefills][0] == (first, 0, 8)
+    run_to_end(new)
+    assert first.output_ids == [7] * 6 and second.output_ids == [7] * 6 and waiting.output_ids == [7] * 3
+    assert new.kv.num_free_pages == 200

@@ -20,8 +20,19 @@ Protocol of one step (the engine calls these from its step thread, never concurr
 Seeded sampling must be reproducible per request whatever the batch: draw number n of a request uses
 noise derived from (seed, n) only (see sampling.noise_seed).
 Optional: `warm_up()`, called once before the first request (graph capture, kernel builds).
-Construction (engine.build_backend): `Backend(config, weights, num_pages, page_size, max_batch,
-max_pages_per_seq, cuda_graphs=...)`; the weights are the canonical dict on the target device.
+Construction (backend_choice.build_backend, which also decides auto): `Backend(config, weights, num_pages,
+page_size, max_batch, max_pages_per_seq, cuda_graphs=...)`; the weights are the canonical dict on the
+target device. After a step that hung or raised, the engine drops its backend and builds a new one the
+same way (the old one's pools and graphs are released first), so a backend must not hold state that
+outlives it (a process-wide CUDA graph pool, a global kernel handle that a second instance re-inits).
+Each call returns only when its results are on the host; the engine's watchdog (watchdog.py) relies on
+those waits releasing the GIL (torch's synchronising copies and ctypes calls do).
+Optional, for the pipelined step (pipeline.py): `launch_decode(batch, carry) -> PendingDecode` enqueues one
+decode step and returns without waiting. carry[b] >= 0: row b feeds the token that row carry[b] of the
+previous launch sampled, read from device memory (batch.token_ids[b] is then -1); -1: batch.token_ids[b].
+batch.sample is true and return_logits false; `len(sampling[b].output_ids)` is the draw number (it counts
+the token in flight, whose id is -1). `PendingDecode.result()` waits (releasing the GIL) and returns the
+DecodeResult. Kernels of later calls must run after it (one stream): the engine frees pages at once.
 """
 
 from __future__ import annotations

@@ -2,11 +2,21 @@
 
 The server's API (docs/architecture.md): `async generate(request_id, prompt_ids, params)` yields
 RequestOutputs (the last has finished=True, usage and timings), `abort(request_id)` from any thread,
-`stats()`, `shutdown()`. Threads: the event loop only validates and enqueues; the step thread owns
-every mutable part (scheduler, pages, sequences) and hands outputs back through
-`loop.call_soon_threadsafe` into one asyncio.Queue per request, so the event loop never blocks.
+`stats()`, `shutdown()`, `add_fatal_listener(callback)`. Threads: the event loop only validates and
+enqueues; the step thread owns every mutable part (scheduler, pages, sequences) and hands outputs back
+through `loop.call_soon_threadsafe` into one asyncio.Queue per request, so the event loop never blocks.
 A step: schedule -> prefill chunks -> one decode step for all decoding rows -> sample -> detokenise,
 check stops -> emit. It knows nothing of HTTP or chat templates.
+
+Backend: backend_choice.py resolves settings.backend (auto, torch, megakernel) and says why; stats() has
+"backend" and "backend_reason". Hangs: the model part of each step (prefill, decode, sampling) runs under
+the step watchdog (watchdog.py); a step that overruns or raises ends its requests with an error and the
+backend is rebuilt (recovery.py), or, when the device is lost, `fatal_error` is set and reported.
+
+Pipelining (pipeline.py): with a backend that offers launch_decode, the step launches decode n+1 before
+it reads step n's tokens (rows feed the token they sampled from device memory), so the GPU does not wait
+while this thread detokenises, checks stops and schedules. Today's backends decode synchronously; a
+TorchBackend with pipeline.SynchronousLaunch runs the same engine path on the CPU (the tests).
 """
 
 from __future__ import annotations
@@ -24,12 +34,16 @@ import torch
 
 from northcode.config import ModelConfig
 from northcode.engine.backend import DecodeBatch, ModelBackend, PrefillBatch, PrefillChunk
+from northcode.engine.backend_choice import BackendChoice, build_backend, choose_backend
 from northcode.engine.kv_cache import KVCacheManager, page_bytes
+from northcode.engine.pipeline import LaunchedStep, PipelinedSteps
+from northcode.engine.recovery import StepAbandoned, StepRecovery, describe_step, step_shapes
 from northcode.engine.request import RequestOutput, SamplingParams, Timings, TokenLogprob, Usage
 from northcode.engine.sampling import Sampler, SamplingRow, StopStringFilter
 from northcode.engine.scheduler import Scheduler, Sequence, StepPlan
 from northcode.engine.settings import EngineSettings
 from northcode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from northcode.engine.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # the step thread sleeps at most this long when there is nothing to run
@@ -47,6 +61,7 @@ class _Request:
     last_token_at: float | None = None
     latencies: list[float] = field(default_factory=list)
     time_to_first_token: float | None = None
+    ended: bool = False  # its final output was sent by the watchdog or a fatal error (the step thread drops it)
 
     def emit(self, output: RequestOutput) -> None:
         """Hand an output to the request's event loop (called from the step thread)."""
@@ -99,55 +114,74 @@ def context_limit(config: ModelConfig, settings: EngineSettings, kv: KVCacheMana
     return low
 
 
-def build_backend(config: ModelConfig, weights: dict[str, torch.Tensor], settings: EngineSettings, num_pages: int,
-                  max_pages_per_seq: int) -> ModelBackend:
-    """The backend that settings.backend names. Every backend takes the same arguments (backend.py)."""
-    if settings.backend == "megakernel":
-        try:
-            from northcode.engine.megakernel import MegakernelBackend
-        except ImportError as err:
-            raise ValueError(f"engine setting backend = 'megakernel': not available ({err})") from None
-        return MegakernelBackend(config, weights, num_pages, settings.page_size, settings.max_batch,
-                                 max_pages_per_seq, cuda_graphs=settings.cuda_graphs)
-    from northcode.engine.torch_backend import TorchBackend
-
-    return TorchBackend(config, weights, num_pages, settings.page_size, settings.max_batch, max_pages_per_seq,
-                        cuda_graphs=settings.cuda_graphs, compile=settings.compile)
+BackendFactory = Callable[[ModelConfig, dict, EngineSettings, int, int], ModelBackend]
+# (config, weights, settings, num_pages, max_pages_per_seq) -> a new backend: what the engine builds at start
+# and again after a hung or failed step
 
 
-class Engine:
+class Engine(StepRecovery, PipelinedSteps):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer | None,
                  settings: EngineSettings | None = None, model_name: str = "model",
-                 backend: ModelBackend | None = None) -> None:
+                 backend_factory: BackendFactory | None = None) -> None:
         self.settings = settings = settings or EngineSettings()
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self._weights = weights  # kept on the device: a restarted backend is built from them again
         device = weights["model.embed_tokens.weight"].device
         dtype = weights["model.embed_tokens.weight"].dtype
-        num_pages = kv_page_budget(config, settings, dtype, device)
+        self.num_pages = num_pages = kv_page_budget(config, settings, dtype, device)
         probe = KVCacheManager(config, num_pages, settings.page_size, 1, 1)
         self.max_model_len = context_limit(config, settings, probe)
         if self.max_model_len < 2:
             raise ValueError(f"the KV pool of {num_pages} pages cannot hold even a 2-token sequence")
-        max_pages_per_seq = -(-self.max_model_len // settings.page_size)
-        self.kv = KVCacheManager(config, num_pages, settings.page_size, settings.max_batch, max_pages_per_seq,
-                                 settings.enable_prefix_cache)
-        self.scheduler = Scheduler(self.kv, settings.max_batch, settings.chunk_size, self.max_model_len)
-        self.backend = backend or build_backend(config, weights, settings, num_pages, max_pages_per_seq)
-        if hasattr(self.backend, "warm_up"):  # e.g. capture CUDA graphs before the first request
-            self.backend.warm_up()
+        self.max_pages_per_seq = -(-self.max_model_len // settings.page_size)
+        self.kv, self.scheduler = self._fresh_cache()
+        if backend_factory is None:
+            self.backend_choice = choose_backend(config, settings, device, dtype)
+        else:
+            self.backend_choice = BackendChoice("?", "given by the caller (backend_factory)")
+        self._backend_factory = backend_factory
+        self.backend = self._build_backend()
+        log.info("engine backend: %s (%s)", self.backend_choice.name, self.backend_choice.reason)
         self.sampler = Sampler()
         self._seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self._arrivals = 0
         self._lock = threading.Condition()
         self._inbox: list[_Request] = []
         self._aborts: list[str] = []
-        self._requests: dict[str, _Request] = {}  # step thread only
+        self._requests: dict[str, _Request] = {}  # step thread only (the watchdog reads it while a step hangs)
         self._ids: set[str] = set()  # ids submitted and not yet finished (any thread, under the lock)
-        self._stats: dict[str, float] = {}
+        self._stats: dict[str, object] = {}
         self._stopping = False
+        self._in_step: list[Sequence] = []  # the sequences of the step running now
+        self._launched: LaunchedStep | None = None  # the decode step launched and not yet read (pipeline.py)
+        self._shapes_seen: set[tuple] = set()  # step shapes run since the backend was built (watchdog limits)
+        self.restarts = 0  # backend restarts after a hung or failed step
+        self.fatal_error: str | None = None  # set once the device is lost; every request then fails with it
+        self._fatal_listeners: list[Callable[[str], None]] = []
+        self._watchdog = None
+        if settings.step_timeout_s is not None:
+            self._watchdog = StepWatchdog(self._on_step_overdue, self._on_step_lost, settings.hang_grace_s)
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="northcode-engine", daemon=True)
         self._thread.start()
+
+    def _fresh_cache(self) -> tuple[KVCacheManager, Scheduler]:
+        s = self.settings
+        kv = KVCacheManager(self.config, self.num_pages, s.page_size, s.max_batch, self.max_pages_per_seq,
+                            s.enable_prefix_cache)
+        return kv, Scheduler(kv, s.max_batch, s.chunk_size, self.max_model_len)
+
+    def _build_backend(self) -> ModelBackend:
+        """The backend (again, after a restart) from the weights on the device, warmed up (graphs captured)."""
+        args = (self.config, self._weights, self.settings, self.num_pages, self.max_pages_per_seq)
+        if self._backend_factory is not None:
+            backend = self._backend_factory(*args)
+            self.backend_choice = BackendChoice(backend.name, self.backend_choice.reason)
+        else:
+            backend, self.backend_choice = build_backend(self.backend_choice, *args)
+        if hasattr(backend, "warm_up"):  # e.g. capture CUDA graphs before the first request
+            backend.warm_up()
+        return backend
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, settings: EngineSettings | None = None,
@@ -192,6 +226,11 @@ class Engine:
         self.scheduler.check_fits(len(prompt_ids), max(1, max_new))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         with self._lock:
+            if self.fatal_error is not None:  # the device is lost: the request ends at once with the reason
+                request = _Request(Sequence(request_id, prompt_ids, params, seed, max_new, 0), asyncio.Queue(),
+                                   loop, None, StopStringFilter([]), ended=True)
+                request.queue.put_nowait(self._final_output(request, "error", self.fatal_error))
+                return request
             if request_id in self._ids:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._arrivals += 1
@@ -210,24 +249,40 @@ class Engine:
                 self._aborts.append(request_id)
                 self._lock.notify()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, object]:
+        """Numbers (pages, prefix cache, requests, restarts), and `backend`, `backend_reason` (which backend
+        runs and why), `status` (ok, restarting, failed) and `fatal_error` (None, or why nothing can run)."""
         with self._lock:
             return dict(self._stats)
+
+    def add_fatal_listener(self, callback: Callable[[str], None]) -> None:
+        """Call callback(message) once if the device is lost (from the watchdog's thread; at once if it is
+        already). The server uses it to report on /health and exit non-zero for its supervisor."""
+        with self._lock:
+            message = self.fatal_error
+            if message is None:
+                self._fatal_listeners.append(callback)
+        if message is not None:
+            callback(message)
 
     def shutdown(self) -> None:
         with self._lock:
             self._stopping = True
             self._lock.notify()
-        self._thread.join(timeout=30)
+        if self.fatal_error is None:  # a thread blocked on a lost device never comes back: do not wait for it
+            self._thread.join(timeout=30)
+        if self._watchdog is not None:
+            self._watchdog.close()
 
     # --- the step thread ---
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work):
+                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work
+                           or self._launched is not None):
                     self._lock.wait(IDLE_WAIT_S)
-                if self._stopping:
+                if self._stopping or self.fatal_error is not None:
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
@@ -239,23 +294,63 @@ class Engine:
                     self._finish(self._requests[request_id], "abort", None)
             try:
                 self._step()
-            except Exception as err:  # a failed step ends the running requests with the error, not a hang
+            except StepAbandoned:  # the watchdog already ended the step's requests
+                if self.fatal_error is not None:
+                    return  # the device was declared lost while this thread was blocked: touch nothing
+                self._recover(None)
+            except Exception as err:  # a failed step ends its requests with the error, not a hang
+                if self.fatal_error is not None:
+                    return
                 log.exception("engine step failed")
-                self._fail_all(f"{type(err).__name__}: {err}")
+                self._recover(f"{type(err).__name__}: {err}")
             self._publish_stats()
-        for request in list(self._requests.values()):
-            self._finish(request, "abort", None)
+        if self.fatal_error is None:
+            for request in list(self._requests.values()):
+                self._finish(request, "abort", None)
 
     def _step(self) -> None:
+        pipelined = self._pipelined()
+        if self._launched is not None and not pipelined:
+            self._drain()  # a request that needs the host's history arrived: read the step in flight first
         plan = self.scheduler.schedule()
-        if plan.is_empty:  # only waiting requests, none admissible yet: do not spin
+        if plan.is_empty and self._launched is None:  # only waiting requests, none admissible yet: do not spin
             time.sleep(0.001)
             return
-        sampled = self._prefill(plan) + self._decode(plan)  # (sequence, token, logprob)
+        launched = self._launched.sequences if self._launched else []
+        self._in_step = plan.decodes + [c.sequence for c in plan.prefills] + launched
+        shapes = step_shapes(plan, self.settings.page_size, self.max_pages_per_seq)
+        if pipelined:  # (sequence, token, logprob) of the prefills and of the decode launched last step
+            sampled, self._launched = self._guarded(lambda: self._pipelined_model_step(plan), shapes, plan)
+        else:
+            sampled = self._guarded(lambda: self._prefill(plan) + self._decode(plan), shapes, plan)
+        self._shapes_seen |= shapes
+        self._in_step = []
         self.scheduler.commit(plan)
+        for seq in self._launched.sequences if self._launched else []:
+            seq.in_flight += 1
         now = time.perf_counter()
         for seq, token, logprob in sampled:
             self._append(self._requests[seq.request_id], token, logprob, now)
+
+    def _guarded(self, work: Callable[[], object], shapes: set[tuple], plan: StepPlan | None):
+        """work() under the step watchdog (the long limit for a shape not run before); StepAbandoned when
+        the watchdog gave it up, its exception when it raised."""
+        limit = self.settings.step_timeout_s
+        if shapes - self._shapes_seen:  # a new shape may capture a graph or compile: the long limit
+            limit = limit and max(limit, self.settings.first_step_timeout_s)
+        error = result = None
+        if self._watchdog is not None:
+            what = describe_step(plan) if plan and not plan.is_empty else "read of the decode step in flight"
+            self._watchdog.begin(limit, what)
+        try:
+            result = work()
+        except Exception as err:
+            error = err
+        if self._watchdog is not None and self._watchdog.end():
+            raise StepAbandoned
+        if error is not None:
+            raise error
+        return result
 
     def _rows(self, sequences: list[Sequence]) -> list[SamplingRow]:
         return [SamplingRow(s.params, s.seed, s.prompt_ids, s.output_ids) for s in sequences]
@@ -332,20 +427,24 @@ class Engine:
         del self._requests[seq.request_id]
         with self._lock:
             self._ids.discard(seq.request_id)
-        timings = Timings(queued_s=(seq.first_scheduled_at or time.perf_counter()) - seq.submitted_at,
-                          time_to_first_token_s=request.time_to_first_token, token_latencies_s=request.latencies)
-        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
         self._publish_stats()  # before the final output: a caller that saw it sees the pages freed
-        request.emit(RequestOutput(seq.request_id, token_ids or [], text, logprobs, finished=True,
-                                   finish_reason=reason, stop_reason=stop_reason, error=error,
-                                   usage=usage, timings=timings))
+        request.emit(self._final_output(request, reason, error, stop_reason, token_ids, text, logprobs))
 
-    def _fail_all(self, message: str) -> None:
-        for request in list(self._requests.values()):
-            self._finish(request, "error", None, error=message)
+    @staticmethod
+    def _final_output(request: _Request, reason: str, error: str | None = None, stop_reason: str | int | None = None,
+                      token_ids: list[int] | None = None, text: str = "",
+                      logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        seq = request.sequence
+        timings = Timings(queued_s=(seq.first_scheduled_at or time.perf_counter()) - seq.submitted_at,
+                          time_to_first_token_s=request.time_to_first_token, token_latencies_s=list(request.latencies))
+        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
+        return RequestOutput(seq.request_id, token_ids or [], text, logprobs, finished=True, finish_reason=reason,
+                             stop_reason=stop_reason, error=error, usage=usage, timings=timings)
 
-    def _publish_stats(self) -> None:
+    def _publish_stats(self, status: str | None = None) -> None:
         kv, scheduler = self.kv, self.scheduler
+        if status is None:
+            status = "failed" if self.fatal_error is not None else "ok" if self.backend is not None else "restarting"
         queried = kv.stats.queried_tokens
         stats = {
             "pages_used": kv.num_used_pages, "pages_total": kv.pool.num_pages,
@@ -353,6 +452,8 @@ class Engine:
             "prefix_cache_hit_rate": kv.stats.hit_tokens / queried if queried else 0.0,
             "requests_running": len(scheduler.running), "requests_waiting": len(scheduler.waiting),
             "preemptions": scheduler.num_preemptions, "max_batch": self.settings.max_batch, "page_size": self.settings.page_size,
+            "backend": self.backend_choice.name, "backend_reason": self.backend_choice.reason, "restarts": self.restarts,
+            "status": status, "fatal_error": self.fatal_error,
         }
         with self._lock:
             self._stats = stats

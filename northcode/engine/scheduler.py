@@ -4,7 +4,8 @@ How prefill and decode share the GPU: every step runs each decoding sequence onc
 plus at most `chunk_size` prompt tokens, taken FIFO from the sequences still prefilling. A long prompt
 therefore delays each decode step by one chunk's compute, never by its whole length, and several short
 prompts can start in the same step. A sequence "decodes" when exactly one of its tokens has no KV yet
-(its last sampled token, or the only token of a one-token prompt); until then it prefills.
+(its last sampled token, or the only token of a one-token prompt, counting a token still in flight on the
+device when the engine pipelines: pipeline.py); until then it prefills.
 When pages run out the sequence that arrived last is preempted by recompute: its pages are published
 to the prefix cache and freed, its output so far is kept, and it waits again at its arrival place.
 The scheduler never touches tensors; the engine runs the plan and reports back with `commit`.
@@ -39,6 +40,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     row: int | None = None  # block-table row while running
     num_computed: int = 0  # tokens whose KV is in the cache (this admission)
+    in_flight: int = 0  # tokens sampled on the device and not yet read by the host (pipeline.py), 0 or 1
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks of tokens
@@ -59,7 +61,7 @@ class Sequence:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_computed == self.num_tokens - 1
+        return self.num_computed == self.num_tokens + self.in_flight - 1
 
 
 @dataclass(slots=True)
@@ -123,6 +125,14 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def take_back(self, seq: Sequence) -> None:
+        """A sequence of an engine whose backend was restarted (its KV is gone with the old pools): it
+        waits again at its arrival place and recomputes its prompt and output so far, like a preemption."""
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_preemptions += 1  # keeps num_cached_tokens from the first admission
+        seq.status, seq.row, seq.num_computed, seq.in_flight = SequenceStatus.WAITING, None, 0, 0
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
     def _release(self, seq: Sequence, publish: bool) -> None:
         assert seq.row is not None
         if publish:
@@ -143,6 +153,8 @@ class Scheduler:
         plan = StepPlan()
         self._admit()
         for seq in [s for s in self.running if s.is_decoding]:
+            if len(seq.output_ids) + seq.in_flight >= seq.max_new_tokens:
+                continue  # its last token is in flight (pipelined): it finishes when that is read
             if seq.status is SequenceStatus.RUNNING and self._make_room(seq, seq.num_computed + 1, plan):
                 plan.decodes.append(seq)
         budget = self.chunk_size

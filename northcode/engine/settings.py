@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKENDS = ("torch", "megakernel")
+BACKENDS = ("auto", "torch", "megakernel")  # auto: backend_choice.py decides, and says why
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -23,7 +23,7 @@ class EngineSettings:
     cpu_kv_bytes: int = 2 << 30  # KV pool budget on the CPU (K and V together)
     num_pages: int | None = None  # fixed pool size (tests, benchmarks); None: from the memory above
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the pool
-    backend: str = "torch"
+    backend: str = "auto"  # auto: the megakernel where it can run (sm_90, nvcc, supported geometry), else torch
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU
     device: str = "auto"  # auto: cuda when available, else cpu
     enable_prefix_cache: bool = True
@@ -31,6 +31,17 @@ class EngineSettings:
     compile: bool = False  # torch.compile the decode step before graph capture (GPU only; measured on the
     # H200 at 8K context: 272 s to compile batch 1 and no faster than the plain graph, so off by default)
     seed: int | None = None  # draws the seeds of requests that give none; None: fresh entropy
+    # the step watchdog (watchdog.py): a step (its prefill chunks, decode and sampling) that runs longer than
+    # this ends its requests with an error and restarts the backend; None: no watchdog. 30 s is hundreds of
+    # times a decode step of the full model even at 128K context, and longer than the megakernel's own 20 s
+    # dependency-wait timeout (its hang becomes an exception first)
+    step_timeout_s: float | None = 30.0
+    # the limit of a step of a shape not run before (it may capture a CUDA graph or torch.compile: 272 s
+    # measured for batch 1 on the H200) and of a backend restart
+    first_step_timeout_s: float = 900.0
+    # after the watchdog fired, how long the hung step may take to return before the device is declared
+    # lost (a fatal error: every request fails, /health reports it, the server should exit non-zero)
+    hang_grace_s: float = 60.0
 
     def __post_init__(self) -> None:
         def reject(name: str, why: str) -> None:
@@ -48,6 +59,12 @@ class EngineSettings:
             reject("num_pages", "must be a positive integer or None")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             reject("max_model_len", "must be an integer >= 2 or None")
+        for name in ("step_timeout_s", "first_step_timeout_s", "hang_grace_s"):
+            value = getattr(self, name)
+            if value is None and name == "step_timeout_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                reject(name, "must be a positive number of seconds" + (" or None" if name == "step_timeout_s" else ""))
         if self.backend not in BACKENDS:
             reject("backend", f"must be one of {list(BACKENDS)}")
         if self.dtype not in DTYPES:
