@@ -26,6 +26,8 @@ def test_auto_takes_the_megakernel_only_where_it_can_run(config):
     auto = EngineSettings()
     assert auto.backend == "auto"
     chosen = choose_backend(config, auto, CUDA, BF16, **H200)
+    assert chosen.name == "torch" and "not yet passed its whole-step checks" in chosen.reason  # MEGAKERNEL_VALIDATED
+    chosen = choose_backend(config, auto, CUDA, BF16, validated=True, **H200)
     assert chosen.name == "megakernel" and chosen.reason.startswith("auto: sm_90")
     cases = {  # what differs from an H200 with nvcc -> the reason torch is taken
         "the CPU": dict(device=CPU),
@@ -37,7 +39,7 @@ def test_auto_takes_the_megakernel_only_where_it_can_run(config):
         "shared experts": dict(config=dataclasses.replace(config, num_shared_experts=1)),
     }
     for why, change in cases.items():
-        args = dict(config=config, settings=auto, device=CUDA, dtype=BF16, **H200)
+        args = dict(config=config, settings=auto, device=CUDA, dtype=BF16, validated=True, **H200)
         args.update(change)
         chosen = choose_backend(**args)
         assert chosen.name == "torch" and chosen.reason.startswith("auto: ") and why in chosen.reason, (why, chosen)

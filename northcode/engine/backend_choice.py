@@ -26,6 +26,10 @@ from northcode.engine.settings import EngineSettings
 log = logging.getLogger(__name__)
 KERNEL_CAPABILITY = (9, 0)  # the megakernel is compiled for sm_90a only
 KERNEL_PAGE_SIZE = 64
+# auto takes the megakernel only once it has passed its whole-step checks on the H200 at the full
+# geometry (issue 5; docs/performance.md, "Where it stands"). Until then auto serves with torch and
+# says so; backend = megakernel still runs it wherever it can run.
+MEGAKERNEL_VALIDATED = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +79,8 @@ def megakernel_blocker(config: ModelConfig, settings: EngineSettings, device: to
 
 
 def choose_backend(config: ModelConfig, settings: EngineSettings, device: torch.device, dtype: torch.dtype,
-                   capability: tuple[int, int] | None = None, nvcc: str | None | bool = False) -> BackendChoice:
+                   capability: tuple[int, int] | None = None, nvcc: str | None | bool = False,
+                   validated: bool = MEGAKERNEL_VALIDATED) -> BackendChoice:
     """settings.backend resolved for this model and machine; ValueError when 'megakernel' cannot run."""
     if settings.backend == "torch":
         return BackendChoice("torch", "asked for (backend = torch)")
@@ -87,6 +92,9 @@ def choose_backend(config: ModelConfig, settings: EngineSettings, device: torch.
         return BackendChoice("megakernel", "asked for (backend = megakernel)")
     if blocker:
         return BackendChoice("torch", f"auto: {blocker}")
+    if not validated:
+        return BackendChoice("torch", "auto: the megakernel could run here but has not yet passed its whole-step "
+                                      "checks at this geometry on the H200 (use backend megakernel to try it)")
     return BackendChoice("megakernel", "auto: sm_90 GPU, nvcc found, bfloat16, geometry supported")
 
 

@@ -1,4 +1,4 @@
-"""On the H200: `backend = auto` picks the megakernel for the tiny bf16 checkpoint, the engine serves a
+"""On the H200: `backend = megakernel` (what auto picks once MEGAKERNEL_VALIDATED) runs the tiny bf16 checkpoint, the engine serves a
 batch through it, and a failed step rebuilds the megakernel backend (kernel library, scratch, pools) and
 goes on. Numerics are checked elsewhere (test_megakernel_decode.py, test_megakernel_backend.py); this
 checks the engine plumbing around the chosen backend."""
@@ -20,7 +20,8 @@ def test_auto_runs_the_megakernel_in_the_engine_and_restarts_it(tiny_checkpoint)
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the megakernel runs on sm_90 only")
-    engine = Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cuda", num_pages=256, seed=0))
+    engine = Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cuda", num_pages=256, seed=0,
+                                                                      backend="megakernel"))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(20, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (3, 17, 40, 65, 70, 99, 130, 150)]
