@@ -16,6 +16,16 @@ def test_bench_engine_json_on_the_tiny_checkpoint(capsys):
     assert result["warm_cached_tokens"] == 64  # the cold prompt's one full page, found again
     assert [row["batch"] for row in result["decode"]] == [1, 2]
     assert all(row["tokens_per_s"] > 0 for row in result["decode"])
+    assert result["backend"] == "torch"  # --backend auto on the CPU, and the engine's reason for it
+    assert result["backend_reason"] == "auto: the model runs on the CPU, and the megakernel needs a CUDA GPU"
+
+
+def test_bench_engine_table_names_the_backend_and_why(capsys):
+    code = main(["bench", "engine", "--preset", "tiny", "--device", "cpu", "--backend", "torch", "--batch-sizes", "1",
+                 "--prompt-len", "20", "--turn-len", "4", "--context", "12", "--decode-tokens", "3"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("torch backend") and lines[1] == "  (asked for (backend = torch))"
 
 
 def test_bench_engine_rejects_bad_options(capsys):

@@ -14,6 +14,7 @@ import os
 import pytest
 from starlette.testclient import TestClient
 
+from northcode.cli import main
 from northcode.engine.request import RequestOutput, Timings, Usage
 from northcode.engine.tokenizer import Tokenizer
 from northcode.server.app import create_app
@@ -50,7 +51,8 @@ class ScriptedEngine:
         self.aborted.append(request_id)
 
     def stats(self):
-        return {"pages_used": 0, "pages_total": 10, "prefix_cache_hit_rate": 0.5, "requests_running": 0, "requests_waiting": 0}
+        return {"pages_used": 0, "pages_total": 10, "prefix_cache_hit_rate": 0.5, "requests_running": 0, "requests_waiting": 0,
+                "backend": "torch", "backend_reason": "scripted", "status": "ok", "fatal_error": None}
 
 
 def encode_script(tok, *parts):
@@ -336,7 +338,9 @@ def test_models_tokenize_detokenize_metrics(tiny_checkpoint, tok):
     assert models["object"] == "list" and card["id"] == "north-mini-code" and card["max_model_len"] == 4096
     assert card["root"] == str(tiny_checkpoint.resolve()) and card["parent"] is None  # vLLM's fields
     assert card["random_weights"] is True and "RANDOM WEIGHTS" in card["display_name"]  # a synthetic checkpoint
-    assert client.get("/health").json()["display_name"] == card["display_name"]
+    assert card["backend"] == "torch"  # the engine's stats()["backend"]
+    health = client.get("/health").json()
+    assert health["display_name"] == card["display_name"] and health["backend"] == "torch"
     ids = client.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"]
     assert ids[0] == tok.bos_id
     assert client.post("/detokenize", json={"tokens": ids[1:]}).json()["prompt"] == "hello world"
@@ -413,3 +417,14 @@ def test_serve_refuses_a_taken_port_before_loading():
             bind_listener("127.0.0.1", port)
     finally:
         first.close()
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["bench", "engine"]])
+def test_a_megakernel_that_cannot_run_is_a_one_line_error_and_exit_2(tiny_checkpoint, capsys, command):
+    """--device cpu: the megakernel needs a CUDA GPU; refused before anything is loaded or served."""
+    code = main([*command, "--model", str(tiny_checkpoint), "--device", "cpu", "--backend", "megakernel"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"northcode {command[0]}: error: engine setting backend = 'megakernel'")
+    assert "the megakernel needs a CUDA GPU" in err

@@ -248,8 +248,10 @@ def test_serve_command_end_to_end(tiny_checkpoint):
             if "ready at" in line:
                 url = line.split("ready at ")[1].split("/v1")[0]
         assert url, "".join(log_lines)
-        snippet_lines = []
+        snippet_lines, backend_line = [], None
         for line in process.stderr:
+            if line.startswith("  backend: "):
+                backend_line = line
             if line.startswith("{") or snippet_lines:
                 snippet_lines.append(line)
             if line.startswith("}"):
@@ -259,8 +261,10 @@ def test_serve_command_end_to_end(tiny_checkpoint):
         assert provider["options"]["baseURL"] == url + "/v1" and provider["npm"] == "@ai-sdk/openai-compatible"
         health = httpx.get(url + "/health").json()
         assert health["status"] == "ok" and health["pid"] == process.pid  # the process to stop
+        assert backend_line.startswith(f"  backend: {health['backend']} (auto: "), backend_line  # which runs, and why
         assert httpx.get(url + "/v1/models").status_code == 401
         client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0)
+        assert client.models.list().data[0].model_dump()["backend"] == health["backend"]
         reply = client.chat.completions.create(model="north-mini-code", messages=messages("hi"), max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens <= 4
         with pytest.raises(openai.AuthenticationError):
@@ -343,3 +347,101 @@ def test_the_models_own_broken_calls_sent_back(client, server):
         client.chat.completions.create(model="m", messages=first + [{"role": "assistant", "content": "", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "read", "arguments": 5}}]}], max_tokens=1)
     assert info.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_a_fatal_engine_error_turns_health_and_new_requests_into_503s(tiny_checkpoint):
+    """The real engine, whose decode really blocks (test_engine_watchdog's BlockingFactory), behind the real
+    app: the hung request ends with a 500 naming the overrun; once the device is declared lost the fatal
+    listener makes /health and every new request answer 503 with the engine's message."""
+    from starlette.testclient import TestClient
+
+    from tests.test_engine_watchdog import BlockingFactory, watched_engine
+
+    factory = BlockingFactory(block_at=2)
+    engine = watched_engine(tiny_checkpoint, factory, hang_grace_s=0.5)
+    state = ServerState(ServerOptions())
+    state.attach(engine, tiny_checkpoint)
+    client = TestClient(create_app(state), raise_server_exceptions=False)
+    chat = {"model": "m", "messages": messages("hi"), "max_tokens": 8, "temperature": 0}
+    try:
+        assert client.get("/health").json()["backend"] == "torch"
+        hung = client.post("/v1/chat/completions", json=chat)  # its second decode blocks; ended after 0.3 s
+        assert hung.status_code == 500 and "did not finish within 0.3 s" in hung.json()["error"]["message"]
+        assert state.engine_failed.wait(10), "the fatal listener was not called"
+        fatal = engine.stats()["fatal_error"]
+        assert "device stopped responding" in fatal and state.engine_error == fatal
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json() == {"status": "error", "error": fatal, "pid": os.getpid()}
+        for path, body in (("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "stream": True}),
+                           ("/v1/completions", {"prompt": "x", "max_tokens": 2})):
+            refused = client.post(path, json=body)
+            assert refused.status_code == 503, refused.text
+            error = refused.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == "engine_failed"
+            assert fatal in error["message"] and error["type"] == "server_error"
+        assert client.get("/v1/models").status_code == 503
+        assert state.in_flight == 0
+    finally:
+        factory.release.set()
+        engine.shutdown()
+
+
+def test_a_request_the_failed_engine_ends_at_once_is_a_503_not_a_200_stream(tiny_checkpoint):
+    """A request that passed the ready check as the engine failed: the engine ends it at once with the
+    fatal message (its own fatal routine is called here), and the server answers 503 before any stream."""
+    from starlette.testclient import TestClient
+
+    from tests.test_engine import make_engine
+
+    engine = make_engine(tiny_checkpoint)
+    state = ServerState(ServerOptions())
+    state.attach(engine, tiny_checkpoint)
+    client = TestClient(create_app(state), raise_server_exceptions=False)
+    message = "the device stopped responding (declared by the test)"
+    try:
+        engine._declare_fatal(message)
+        assert state.engine_error == message and state.engine_failed.is_set()
+        state.require_ready = lambda: None  # the requests below passed the ready check just before the failure
+        for path, body in (("/v1/chat/completions", {"messages": messages("hi"), "max_tokens": 4, "stream": True}),
+                           ("/v1/completions", {"prompt": "x", "max_tokens": 4, "stream": True}),
+                           ("/v1/chat/completions", {"messages": messages("hi"), "max_tokens": 4})):
+            response = client.post(path, json=body)
+            assert response.status_code == 503 and response.headers["content-type"] == "application/json", response.text
+            assert response.json()["error"]["code"] == "engine_failed" and message in response.json()["error"]["message"]
+        state.engine_error = None  # an engine error that is not fatal (say a step that raised): a 500, still no stream
+        response = client.post("/v1/chat/completions", json={"messages": messages("hi"), "max_tokens": 4, "stream": True})
+        assert response.status_code == 500 and f"the engine failed: {message}" == response.json()["error"]["message"]
+        assert state.in_flight == 0
+    finally:
+        engine.shutdown()
+
+
+def test_serve_prints_a_fatal_engine_error_and_exits_1(tiny_checkpoint):
+    """The real `northcode serve` whose engine's decode hangs for good (tests/server_with_hanging_engine.py):
+    it reports the lost device and exits 1 although its step thread never comes back."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tests.server_with_hanging_engine", "--model", str(tiny_checkpoint), "--port", "0",
+           "--device", "cpu", "--num-pages", "256", "--log-level", "warning"]
+    process = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        log_lines, url = [], None
+        deadline = time.time() + 120
+        while url is None and time.time() < deadline:
+            line = process.stderr.readline()
+            assert line or process.poll() is None, "".join(log_lines)
+            log_lines.append(line)
+            if "ready at" in line:
+                url = line.split("ready at ")[1].split("/v1")[0]
+        assert url, "".join(log_lines)
+        body = {"model": "m", "messages": messages("hi"), "max_tokens": 8, "temperature": 0}
+        hung = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)  # its third decode never returns
+        assert hung.status_code == 500 and "did not finish within" in hung.json()["error"]["message"]
+        assert process.wait(timeout=60) == 1
+        rest = process.stderr.read()
+        assert "error: the engine failed and cannot serve any more: the device stopped responding" in rest, rest
+        assert "exiting (status 1)" in rest and "Traceback" not in rest, rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=2048, metavar="N", help="prefill chunk size (default 2048)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
-    parser.add_argument("--backend", choices=("torch", "megakernel"), default="torch", help="decode backend")
+    parser.add_argument("--backend", choices=("auto", "torch", "megakernel"), default="auto",
+                        help="decode backend (default: auto; the result names the one that ran and why)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the torch decode step eagerly")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="of free GPU memory for KV pages")
     parser.add_argument("--num-pages", type=int, help="fixed KV pool size in pages")
@@ -53,6 +54,7 @@ class EngineBenchResult:
     prompt_len: int
     turn_len: int
     context: int
+    backend_reason: str = ""  # why this backend runs (the engine's stats()["backend_reason"])
     ttft_cold_s: float = 0.0
     ttft_warm_s: float = 0.0
     warm_cached_tokens: int = 0
@@ -73,6 +75,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 def build_engine(args: argparse.Namespace):
     from northcode.engine.engine import Engine, resolve_device, resolve_dtype
     from northcode.engine.settings import EngineSettings
+    from northcode.server.backend_check import check_backend_setting
 
     sizes = parse_batch_sizes(args.batch_sizes)
     settings = EngineSettings(max_batch=max(8, *sizes), chunk_size=args.chunk_size, device=args.device,
@@ -81,10 +84,13 @@ def build_engine(args: argparse.Namespace):
     if args.preset is None:
         from northcode.paths import resolve_model
 
-        return Engine.from_model_dir(resolve_model(args.model), settings)
+        model_dir = resolve_model(args.model)
+        check_backend_setting(model_dir, settings)  # a megakernel that cannot run: refused before reading weights
+        return Engine.from_model_dir(model_dir, settings)
     from northcode.engine.synthetic import TOKENIZER_VOCAB_SIZE, preset_config, random_weights
 
     config = preset_config(args.preset, vocab_size=TOKENIZER_VOCAB_SIZE if args.preset == "tiny" else None)
+    check_backend_setting(config, settings)
     device = resolve_device(settings.device)
     weights = random_weights(config, device=device, dtype=resolve_dtype(settings.dtype, device))
     return Engine(config, weights, None, settings, model_name=f"{args.preset} (random weights)")
@@ -111,8 +117,9 @@ def measure(engine, args: argparse.Namespace, on_gpu: bool) -> EngineBenchResult
     prompt_len = min(args.prompt_len or (4096 if on_gpu else 256), limit - args.turn_len - 1)
     context = min(args.context or (8192 if on_gpu else 128), limit)
     decode_tokens = args.decode_tokens or (64 if on_gpu else 8)
-    result = EngineBenchResult(engine.model_name, str(engine.backend.k_pool.device), engine.backend.name,
-                               prompt_len, args.turn_len, context)
+    stats = engine.stats()
+    result = EngineBenchResult(engine.model_name, str(engine.backend.k_pool.device), stats["backend"],
+                               prompt_len, args.turn_len, context, backend_reason=stats["backend_reason"])
     run = lambda coro: asyncio.run(coro)  # noqa: E731
     run(_one(engine, "warm-up", random_prompt(rng, vocab, prompt_len), 2))  # allocator, lazy kernels
     prompt = random_prompt(rng, vocab, prompt_len)
@@ -145,6 +152,7 @@ def _measure_decode(engine, rng: random.Random, batch: int, context: int, decode
 
 def format_table(result: EngineBenchResult) -> str:
     lines = [f"engine benchmark: {result.model} on {result.device}, {result.backend} backend",
+             f"  ({result.backend_reason})",
              f"  TTFT cold ({result.prompt_len} tokens)          {result.ttft_cold_s * 1e3:9.1f} ms",
              f"  TTFT warm (+{result.turn_len} tokens, {result.warm_cached_tokens} cached) "
              f"{result.ttft_warm_s * 1e3:9.1f} ms",

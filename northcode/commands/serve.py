@@ -2,7 +2,14 @@
 
 uvicorn starts first and the model loads in a background thread, so GET /health answers 503
 with the loading phase until the engine is ready. Loopback only unless --host says otherwise.
-When the model is ready the URL and an OpenCode provider snippet are printed.
+When the model is ready the URL, the decode backend (and why it was chosen) and an OpenCode
+provider snippet are printed. `--backend megakernel` where the megakernel cannot run is refused at
+once (exit 2, the reason in one line), before uvicorn starts or a weight is read.
+
+If the engine fails for good while serving (a step that never returns: a lost GPU), /health answers
+503 with the error, new requests get a 503, and the command prints the error and exits 1 once
+uvicorn has stopped, through os._exit: the engine's step thread may be stuck in a call on the lost
+device, and an ordinary interpreter exit could wait on it forever. A supervisor can then restart it.
 """
 
 from __future__ import annotations
@@ -10,11 +17,13 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import socket
 import sys
 import threading
 
 HELP = "serve the model on a local OpenAI-compatible endpoint"
+FORCE_EXIT_AFTER_S = 5.0  # after a fatal engine error: how long uvicorn may wait for open connections
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch before 503 (default: 32)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by the KV pool)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.90, help="of free GPU memory for the KV cache (default: 0.90)")
-    parser.add_argument("--backend", choices=("torch", "megakernel"), default="torch", help="decode backend (default: torch)")
+    parser.add_argument("--backend", choices=("auto", "torch", "megakernel"), default="auto",
+                        help="decode backend (default: auto, which picks one and says why when the model is ready)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--num-pages", type=int, help="fixed KV pool size in 64-token pages (default: from memory)")
     parser.add_argument("--system-prompt", help="system prompt used when a chat has none ('' for none)")
@@ -69,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from northcode.engine.settings import EngineSettings
     from northcode.paths import model_display_name, resolve_model
     from northcode.server.app import create_app
+    from northcode.server.backend_check import check_backend_setting
     from northcode.server.state import DEFAULT_SYSTEM_PROMPT, ServerOptions, ServerState
 
     if not 0 <= args.port <= 65535:
@@ -78,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
     model_dir = resolve_model(args.model)
+    check_backend_setting(model_dir, settings)  # a megakernel that cannot run here: exit 2 now, not after loading
     system_prompt = DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
     options = ServerOptions(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
                             max_queue=args.max_queue, default_system_prompt=system_prompt)
@@ -94,7 +106,12 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[listener])
     finally:
         if state.engine is not None:
-            state.engine.shutdown()
+            state.engine.shutdown()  # after a fatal error it does not wait for the step thread
+    if state.engine_error is not None:
+        print(f"northcode serve: exiting (status 1) because the engine failed: {state.engine_error}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # not sys.exit: a thread stuck on the lost device would keep the interpreter from exiting
     return 1 if outcome.get("failed") else 0
 
 
@@ -104,7 +121,7 @@ def _announce_when_ready(state, server, args: argparse.Namespace, outcome: dict)
     from northcode.paths import model_display_name
 
     last_phase = None
-    while not state.ready and state.load_error is None:
+    while not state.ready and state.load_error is None and not state.engine_failed.is_set():
         if state.phase != last_phase:
             print(f"  {state.phase}", file=sys.stderr)
             last_phase = state.phase
@@ -122,5 +139,21 @@ def _announce_when_ready(state, server, args: argparse.Namespace, outcome: dict)
     print(f"\nnorthcode serve: ready at {base_url}/v1 (model id {state.options.model_name!r}, "
           f"context {state.engine.max_model_len} tokens)", file=sys.stderr)
     print(f"  serving {model_display_name(state.model_dir)} from {state.model_dir}", file=sys.stderr)
+    stats = state.engine.stats()
+    print(f"  backend: {stats['backend']} ({stats['backend_reason']})", file=sys.stderr)
     print("OpenCode: put this in opencode.json (or ~/.config/opencode/opencode.json):", file=sys.stderr)
     print(opencode_snippet(base_url, state.options.model_name, state.engine.max_model_len, args.api_key), file=sys.stderr)
+    _stop_when_the_engine_fails(state, server)
+
+
+def _stop_when_the_engine_fails(state, server) -> None:
+    """Wait for the engine's fatal error (ServerState's listener sets engine_failed), then stop uvicorn;
+    run() exits 1 once it has stopped. Connections still open after FORCE_EXIT_AFTER_S are dropped."""
+    import time
+
+    state.engine_failed.wait()
+    print(f"\nnorthcode serve: error: the engine failed and cannot serve any more: {state.engine_error}",
+          file=sys.stderr, flush=True)
+    server.should_exit = True
+    time.sleep(FORCE_EXIT_AFTER_S)
+    server.force_exit = True

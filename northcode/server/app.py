@@ -30,14 +30,17 @@ OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (monitoring
 
 
 async def health(request: Request) -> JSONResponse:
-    """200 when ready, 503 while loading or after a failed load; `pid` names the process to stop."""
+    """200 when ready (with the backend that runs the model), 503 while loading, after a failed load or
+    once the engine has failed for good; `pid` names the process to stop."""
     state = request.app.state.server
     pid = os.getpid()
+    if state.engine_error is not None:
+        return JSONResponse({"status": "error", "error": state.engine_error, "pid": pid}, status_code=503)
     if state.load_error is not None:
         return JSONResponse({"status": "error", "phase": state.phase, "error": state.load_error, "pid": pid}, status_code=503)
     if not state.ready:
         return JSONResponse({"status": "loading", "phase": state.phase, "pid": pid}, status_code=503)
-    body = {"status": "ok", "model": state.options.model_name, "pid": pid}
+    body = {"status": "ok", "model": state.options.model_name, "backend": state.engine.stats()["backend"], "pid": pid}
     if state.model_dir is not None:
         body["display_name"] = model_display_name(state.model_dir)  # says RANDOM WEIGHTS when they are
     return JSONResponse(body)
@@ -52,12 +55,14 @@ async def models(request: Request) -> JSONResponse:
 def model_card(state: ServerState) -> dict:
     """The /v1/models entry: OpenAI's fields, vLLM's root/parent/max_model_len, and what the weights are.
 
-    `root` is the checkpoint folder on the server's machine (vLLM's convention). `display_name` and
+    `root` is the checkpoint folder on the server's machine (vLLM's convention); `backend` is the engine's
+    decode backend (torch or megakernel). `display_name` and
     `random_weights` let a client that did not start the server see that a demo or synthetic
     checkpoint answers with noise.
     """
     card = {"id": state.options.model_name, "object": "model", "created": state.created, "owned_by": "northcode",
-            "root": state.options.model_name, "parent": None, "max_model_len": state.engine.max_model_len}
+            "root": state.options.model_name, "parent": None, "max_model_len": state.engine.max_model_len,
+            "backend": state.engine.stats()["backend"]}
     if state.model_dir is not None:
         card["root"] = str(state.model_dir)
         card["display_name"] = model_display_name(state.model_dir)

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from northcode.server.errors import RequestError
-from northcode.server.generation import EngineRun, prepare_sampling
+from northcode.server.generation import EngineRun, engine_error, prepare_sampling
 from northcode.server.output_parser import OutputParser
 from northcode.server.request_body import read_json
 from northcode.server.responses import chat_chunk, chat_logprobs, chat_message, sse, usage_chunk, usage_dict
@@ -69,18 +69,14 @@ async def _complete(state, run: EngineRun, chat: ChatRequest, parser: OutputPars
             logprobs += chat_logprobs(state.engine.tokenizer, out.logprobs, state.markers.special_ids)
         final = out
     parser.finish()
-    _raise_engine_error(final)
+    if final is not None and final.finish_reason == "error":
+        raise engine_error(state, final)
     state.metrics.record_finished(final)
     message = chat_message(parser.content, parser.reasoning, parser.tool_calls, reasoning_alias=state.options.reasoning_alias)
     choice = {"index": 0, "message": message, "logprobs": {"content": logprobs} if chat.options.logprobs else None,
               "finish_reason": _finish_reason(final.finish_reason, parser)}
     return {"id": run.request_id, "object": "chat.completion", "created": int(time.time()), "model": state.options.model_name,
             "choices": [choice], "usage": usage_dict(final.usage, parser.reasoning_tokens)}
-
-
-def _raise_engine_error(final) -> None:
-    if final is not None and final.finish_reason == "error":
-        raise RequestError(f"the engine failed: {final.error}", status=500, error_type="server_error")
 
 
 async def _stream(state, run: EngineRun, chat: ChatRequest, parser: OutputParser):
@@ -99,7 +95,7 @@ async def _stream(state, run: EngineRun, chat: ChatRequest, parser: OutputParser
     for delta in parser.finish():
         yield sse(chat_chunk(rid, created, model, delta))
     if final is not None and final.finish_reason == "error":
-        yield sse({"error": {"message": f"the engine failed: {final.error}", "type": "server_error", "param": None, "code": None}})
+        yield sse(engine_error(state, final).body())
         yield sse("[DONE]")
         return
     state.metrics.record_finished(final)

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from northcode.server.errors import RequestError
-from northcode.server.generation import EngineRun, prepare_sampling
+from northcode.server.generation import EngineRun, engine_error, prepare_sampling
 from northcode.server.request_body import read_json
 from northcode.server.responses import completion_logprobs, sse, usage_chunk, usage_dict
 from northcode.server.schemas import CompletionRequest, parse_completion_request
@@ -60,7 +60,7 @@ async def _complete(state, run: EngineRun, req: CompletionRequest, echo: str) ->
         entries += out.logprobs or []
         final = out
     if final.finish_reason == "error":
-        raise RequestError(f"the engine failed: {final.error}", status=500, error_type="server_error")
+        raise engine_error(state, final)
     state.metrics.record_finished(final)
     logprobs = completion_logprobs(state.engine.tokenizer, entries, len(echo)) if req.options.logprobs else None
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(final.finish_reason)}
@@ -85,7 +85,7 @@ async def _stream(state, run: EngineRun, req: CompletionRequest, echo: str):
             yield chunk(out.text_delta, logprobs=logprobs)
         offset += len(out.text_delta)
     if final.finish_reason == "error":
-        yield sse({"error": {"message": f"the engine failed: {final.error}", "type": "server_error", "param": None, "code": None}})
+        yield sse(engine_error(state, final).body())
         yield sse("[DONE]")
         return
     state.metrics.record_finished(final)

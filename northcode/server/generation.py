@@ -3,7 +3,8 @@
 Whatever ends the response (a finished request, a client that hung up, an exception, a stream
 cancelled by starlette), `close()` leaves nothing behind: an unfinished engine request is aborted
 (the engine frees its KV pages) and the admission slot is released. The first output is awaited
-before any response is sent, so a request the engine refuses (ValueError) is still a clean 400.
+before any response is sent, so a request the engine refuses (ValueError) is still a clean 400, and
+one it ends at once with an error (a failed engine) a clean 503 or 500.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def prepare_sampling(state, options: GenerationOptions, prompt_len: int, extra_s
     return sampling
 
 
+def engine_error(state, final: RequestOutput) -> RequestError:
+    """A request the engine ended with an error: a 503 once the engine has failed for good (the fatal
+    listener ran before the engine ended its requests), else a 500 with the engine's message."""
+    if state.engine_error is not None:
+        return state.engine_failure()
+    return RequestError(f"the engine failed: {final.error}", status=500, error_type="server_error")
+
+
 class EngineRun:
     def __init__(self, state, request: Request, prefix: str, prompt_ids: list[int], sampling: SamplingParams,
                  prompt_param: str = "messages") -> None:
@@ -65,6 +74,9 @@ class EngineRun:
             await self.close()
             raise
         self._finished = self._first.finished
+        if self._first.finished and self._first.finish_reason == "error":  # before any response is sent: a
+            await self.close()  # clean error status, not a 200 stream holding an error event
+            raise engine_error(self.state, self._first)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         assert self._first is not None, "start() first"

@@ -1,7 +1,9 @@
 """ServerState: what the app holds: options, the engine once loaded, and the admission count.
 
 The engine loads in a background thread after uvicorn has started, so /health can answer 503
-with the loading phase meanwhile. Admission is a counter: the engine runs `max_batch` requests
+with the loading phase meanwhile. Once attached, a fatal-error listener is registered on the engine:
+when the engine fails for good (a lost device), `engine_error` holds why, `engine_failed` is set
+(`northcode serve` waits on it to exit non-zero), /health answers 503 and new requests a 503. Admission is a counter: the engine runs `max_batch` requests
 and queues the rest; the server holds at most `max_batch + max_queue` and answers 503 with a
 Retry-After hint beyond that. It does not parse requests or build responses.
 """
@@ -42,6 +44,8 @@ class ServerState:
         self.created = int(time.time())
         self.phase = "starting"
         self.load_error: str | None = None
+        self.engine_error: str | None = None  # why the engine failed for good after loading (its fatal error)
+        self.engine_failed = threading.Event()  # set with engine_error
         self.engine = None
         self.model_dir: Path | None = None  # the checkpoint folder, once attached (vLLM's `root`)
         self.template = None
@@ -70,6 +74,14 @@ class ServerState:
         self.model_dir = model_dir.resolve() if model_dir is not None else None
         self.engine = engine
         self.phase = "ready"
+        if hasattr(engine, "add_fatal_listener"):  # after "ready": a listener may be called at once
+            engine.add_fatal_listener(self._on_engine_fatal)
+
+    def _on_engine_fatal(self, message: str) -> None:
+        """The engine's fatal listener (its watchdog thread): nothing can run any more."""
+        self.engine_error = message
+        self.phase = "failed"
+        self.engine_failed.set()
 
     def load_in_background(self, model_dir: Path, settings) -> threading.Thread:
         thread = threading.Thread(target=self._load, args=(model_dir, settings), name="northcode-load", daemon=True)
@@ -104,10 +116,17 @@ class ServerState:
         return self.engine is not None and self.phase == "ready"
 
     def require_ready(self) -> None:
+        if self.engine_error is not None:
+            raise self.engine_failure()
         if self.load_error is not None:
             raise RequestError(f"the model failed to load: {self.load_error}", status=503, code="model_load_failed")
         if not self.ready:
             raise RequestError(f"the model is loading ({self.phase})", status=503, code="model_loading", headers={"Retry-After": "5"})
+
+    def engine_failure(self) -> RequestError:
+        """The 503 every request gets once the engine has failed for good."""
+        return RequestError(f"the engine has failed and cannot serve requests: {self.engine_error}", status=503,
+                            code="engine_failed", error_type="server_error")
 
     # --- admission ---
 
