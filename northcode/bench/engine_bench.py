@@ -75,7 +75,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 def build_engine(args: argparse.Namespace):
     from northcode.engine.engine import Engine, resolve_device, resolve_dtype
     from northcode.engine.settings import EngineSettings
-    from northcode.server.backend_check import check_backend_setting
+    from northcode.engine.backend_choice import check_backend_setting
 
     sizes = parse_batch_sizes(args.batch_sizes)
     settings = EngineSettings(max_batch=max(8, *sizes), chunk_size=args.chunk_size, device=args.device,

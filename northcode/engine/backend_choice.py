@@ -121,3 +121,16 @@ def build_backend(choice: BackendChoice, config: ModelConfig, weights: dict[str,
     backend = TorchBackend(config, weights, num_pages, settings.page_size, settings.max_batch, max_pages_per_seq,
                            cuda_graphs=settings.cuda_graphs, compile=settings.compile)
     return backend, choice
+
+
+def check_backend_setting(model: ModelConfig | str, settings: EngineSettings) -> None:
+    """Refuse backend = megakernel where it cannot run, before any weight is read: ValueError naming the
+    reason. `model` is a ModelConfig or a checkpoint folder. serve and bench engine call this first,
+    because building the engine reads every weight (minutes for the full model) before it decides."""
+    if settings.backend != "megakernel":
+        return
+    from northcode.engine.engine import resolve_device, resolve_dtype
+
+    config = model if isinstance(model, ModelConfig) else ModelConfig.from_file(model)
+    device = resolve_device(settings.device)
+    choose_backend(config, settings, device, resolve_dtype(settings.dtype, device))
