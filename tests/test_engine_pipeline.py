@@ -1,7 +1,8 @@
-"""The pipelined step (pipeline.py) on the tiny checkpoint: a TorchBackend with launch_decode (run at once by
-SynchronousLaunch, feeding carried rows the tokens of the previous launch) gives exactly the outputs of the
-ordinary engine: batching, stop strings and token ids, max_tokens, aborts, seeds, penalties (which turn
-pipelining off until they are gone), preemption, and no page leaks."""
+"""The pipelined step (pipeline.py) on the tiny checkpoint: TorchBackend's own launch_decode (carried rows fed
+from the tokens the previous launch sampled, kept as a tensor; sampled on the device; read one step later)
+gives exactly the outputs of the unpipelined engine (the same backend without launch_decode): batching, stop
+strings and token ids, max_tokens, aborts, seeds, penalties (which turn pipelining off until they are gone),
+preemption, and no page leaks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 
 from northcode.engine.checkpoint import load_checkpoint
 from northcode.engine.engine import Engine
-from northcode.engine.pipeline import SynchronousLaunch
 from northcode.engine.request import SamplingParams
 from northcode.engine.settings import EngineSettings
 from northcode.engine.tokenizer import Tokenizer
@@ -23,29 +23,37 @@ SETTINGS = dict(page_size=16, chunk_size=24, device="cpu", seed=0)
 
 
 class LaunchingBackend(TorchBackend):
-    """TorchBackend + launch_decode; counts rows fed from the previous launch (the pipelined ones)."""
+    """TorchBackend with its launch_decode, counting the rows fed from the previous launch (the pipelined ones)."""
 
     carried = 0
     rows = 0
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._launch = SynchronousLaunch(self)
-
     def launch_decode(self, batch, carry):
         LaunchingBackend.carried += sum(c >= 0 for c in carry)
         LaunchingBackend.rows += len(carry)
-        return self._launch(batch, carry)
+        return super().launch_decode(batch, carry)
 
 
-def launching_factory(config, weights, settings, num_pages, max_pages_per_seq):
-    return LaunchingBackend(config, weights, num_pages, settings.page_size, settings.max_batch, max_pages_per_seq)
+class UnpipelinedBackend(TorchBackend):
+    """The same backend, offering no launch_decode: the engine decodes step by step (the reference)."""
+
+    launch_decode = None
+
+
+def factory_of(backend_class):
+    def build(config, weights, settings, num_pages, max_pages_per_seq):
+        return backend_class(config, weights, num_pages, settings.page_size, settings.max_batch, max_pages_per_seq)
+    return build
+
+
+def engine_with(checkpoint, backend_class, **settings) -> Engine:
+    config, weights = load_checkpoint(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
+    return Engine(config, weights, Tokenizer.from_dir(checkpoint), EngineSettings(**{**SETTINGS, **settings}),
+                  backend_factory=factory_of(backend_class))
 
 
 def pipelined_engine(checkpoint, **settings) -> Engine:
-    config, weights = load_checkpoint(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
-    return Engine(config, weights, Tokenizer.from_dir(checkpoint), EngineSettings(**{**SETTINGS, **settings}),
-                  backend_factory=launching_factory)
+    return engine_with(checkpoint, LaunchingBackend, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +65,19 @@ def piped(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def plain(tiny_checkpoint):
-    engine = make_engine(tiny_checkpoint)
+    engine = engine_with(tiny_checkpoint, UnpipelinedBackend)
+    assert not engine._pipelined()
     yield engine
     engine.shutdown()
+
+
+def test_the_engine_pipelines_with_the_torch_backend_it_builds_itself(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)
+    try:
+        assert engine.backend_choice.name == "torch" and callable(engine.backend.launch_decode)
+        assert engine._pipelined()
+    finally:
+        engine.shutdown()
 
 
 def outcome(outputs) -> tuple:

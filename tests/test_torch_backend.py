@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -10,7 +12,10 @@ from northcode.engine.checkpoint import load_checkpoint
 from northcode.engine.kv_cache import KVCacheManager
 from northcode.engine.model import NorthModel, route, run_experts
 from northcode.engine.routed_experts import add_moe
+from northcode.engine.request import SamplingParams
+from northcode.engine.sampling import Sampler, SamplingRow
 from northcode.engine.torch_backend import MIN_CONTEXT_PAGES, TorchBackend, context_bucket
+from northcode.engine.torch_launch import sample_on_device
 
 PAGE = 16  # small pages: the tiny model's 32-token window spans three of them
 
@@ -190,3 +195,135 @@ def test_bf16_decode_is_as_close_to_fp32_as_the_bf16_reference(tiny):
     got = torch.stack([decode(kv, backend, [0], [tokens], [pos])[0] for pos in range(59, 89)])
     cosine = lambda a, b: torch.nn.functional.cosine_similarity(a, b, dim=-1).median().item()  # noqa: E731
     assert cosine(got, want) >= min(0.999, cosine(reference, want) - 1e-3)
+
+
+SAMPLING = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+            SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.2),
+            SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05)]
+
+
+@pytest.mark.parametrize("kinds", [[0, 1, 2, 3, 4, 5], [0, 1, 1], [5, 0], [0, 0]])
+def test_the_device_sampler_draws_the_tokens_of_the_pytorch_sampler(kinds):
+    """Same logits and rows: the same tokens as sampling.Sampler for every mix of greedy and random rows (with
+    and without top-k/top-p/min-p in the batch), over many seeds and draw numbers."""
+    gen = torch.Generator().manual_seed(len(kinds))
+    for trial in range(25):
+        logits = torch.randn(len(kinds), 300, generator=gen) * 3
+        rows = [SamplingRow(SAMPLING[k], seed=trial * 7 + b, prompt_ids=[1, 2], output_ids=[5] * (trial % 4))
+                for b, k in enumerate(kinds)]
+        assert sample_on_device(logits, rows).tolist() == Sampler().sample(logits, rows).token_ids
+
+
+def launch_batch(kv, rows, tokens, positions, sampling) -> DecodeBatch:
+    for row, pos in zip(rows, positions):
+        kv.evict_behind_window(row, pos)
+        kv.allocate(row, pos + 1)
+    return DecodeBatch(rows, tokens, positions, sampling, True, False, kv.block_tables, kv.version, kv.high_water)
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Fails on any op that makes the host wait for the device (op_count's list) or reads a tensor's values."""
+    from northcode.engine.op_count import KernelCounter
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host during the launch")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", refuse)
+        patch.setattr(torch.Tensor, "item", refuse)
+        with KernelCounter() as counter:
+            yield
+    assert not counter.syncs
+
+
+def test_launch_decode_feeds_carried_rows_from_the_device_and_samples_as_decode(tiny):
+    """Rows join, leave and change order between launches; each launch is made before the previous one is
+    read, carried rows feed the token still on the device, and no launch reads the device. The tokens equal
+    those of decode fed every token from the host."""
+    config, weights, _ = tiny
+    decoded, launched = decoded_and_launched(config, weights, no_host_reads)
+    assert launched == decoded and [len(o) for o in decoded] == [8, 6, 5]
+    assert len(set(decoded[1])) > 1  # the random row did draw
+
+
+def decoded_and_launched(config, weights, no_sync) -> tuple[list[list[int]], list[list[int]]]:
+    """The tokens of three rows (greedy, top-p, top-k) over eight steps whose rows join, leave and change
+    order: (by decode, fed from the host; by launch_decode, pipelined, each launch under no_sync())."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (30, 45, 12)]
+    params = [SAMPLING[0], SAMPLING[3], SAMPLING[2]]
+    orders = [[0, 1], [1, 0], [0, 1], [2, 0, 1], [1, 2, 0], [0, 1, 2], [2, 0], [0, 2]]  # row 2 joins, row 1 leaves
+
+    def sampling(row, outputs):
+        return SamplingRow(params[row], 100 + row, prompts[row], outputs)
+
+    def prefilled():
+        kv, backend = paged(config, weights)
+        backend.warm_up()  # a GPU's graphs are captured before the launches (a capture synchronises)
+        for row, prompt in enumerate(prompts):
+            prefill(kv, backend, row, prompt, 0, len(prompt) - 1)
+        return kv, backend
+
+    kv, plain = prefilled()
+    outputs: list[list[int]] = [[], [], []]
+    for order in orders:
+        batch = launch_batch(kv, order, [(prompts[r] + outputs[r])[-1] for r in order],
+                             [len(prompts[r]) + len(outputs[r]) - 1 for r in order],
+                             [sampling(r, outputs[r]) for r in order])
+        for r, token in zip(order, plain.decode(batch).token_ids):
+            outputs[r].append(token)
+
+    kv, launching = prefilled()
+    read: list[list[int]] = [[], [], []]
+    drawn = [0, 0, 0]  # tokens sampled per row, read or not
+    previous, pending = [], None
+    for order in orders:
+        carry = [previous.index(r) if r in previous else -1 for r in order]
+        batch = launch_batch(kv, order, [-1 if c >= 0 else (prompts[r] + read[r])[-1] for r, c in zip(order, carry)],
+                             [len(prompts[r]) + drawn[r] - 1 for r in order],
+                             [sampling(r, read[r] + [-1] * (drawn[r] - len(read[r]))) for r in order])
+        with no_sync():
+            launched = launching.launch_decode(batch, carry)
+        if pending is not None:
+            for r, token in zip(previous, pending.result().token_ids):
+                read[r].append(token)
+        for r in order:
+            drawn[r] += 1
+        previous, pending = order, launched
+    for r, token in zip(previous, pending.result().token_ids):
+        read[r].append(token)
+    return outputs, read
+
+
+def test_launch_decode_refuses_what_it_cannot_run(tiny):
+    config, weights, _ = tiny
+    kv, backend = paged(config, weights)
+    prefill(kv, backend, 0, [5, 6, 7, 8], 0, 3)
+    row = SamplingRow(SamplingParams(temperature=0.0), 0, [5, 6, 7, 8], [])
+    with pytest.raises(ValueError, match=r"carry\[0\] = 0, but the previous launch had 0 rows"):
+        backend.launch_decode(launch_batch(kv, [0], [-1], [3], [row]), [0])
+    penalised = SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=0.5), 0, [5, 6, 7, 8], [])
+    with pytest.raises(ValueError, match="row 0 asks for penalties or logprobs"):
+        backend.launch_decode(launch_batch(kv, [0], [8], [3], [penalised]), [-1])
+    backend.launch_decode(launch_batch(kv, [0], [8], [3], [row]), [-1]).result()
+    backend.decode(launch_batch(kv, [0], [9], [4], [row]))  # a synchronous step: nothing left to carry
+    with pytest.raises(ValueError, match="the previous launch had 0 rows"):
+        backend.launch_decode(launch_batch(kv, [0], [-1], [5], [row]), [0])
+
+
+def test_a_replaced_decode_is_not_launched_past(tiny):
+    """The engine pipelines only when launch_decode exists; launching would bypass a replaced decode."""
+    config, weights, _ = tiny
+
+    class Replaced(TorchBackend):
+        def decode(self, batch):
+            return super().decode(batch)
+
+    backend = TorchBackend(config, weights, 8, PAGE, 1, 4)
+    assert callable(backend.launch_decode)
+    assert Replaced(config, weights, 8, PAGE, 1, 4).launch_decode is None
+    backend.decode = lambda batch: None
+    assert backend.launch_decode is None
+    backend.launch_decode = launch = object()  # what a test sets is what the engine sees
+    assert backend.launch_decode is launch

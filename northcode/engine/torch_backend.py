@@ -12,7 +12,14 @@ graphs of the decode step.
   - decode (decode_step.py) runs one step in a CUDA graph per (batch bucket, context bucket) over static
     input buffers on a GPU, eagerly on the CPU; the same code either way. Context buckets grow by an
     eighth of an octave (16, 18, 20, ... pages), so a graph reads at most ~12% more pages than needed.
-It samples with the PyTorch sampler (sampling.py) on the same device, after the step.
+  - launch_decode (torch_launch.py) enqueues the same step for the engine's pipeline: carried rows take the
+    previous launch's tokens on the device, the rows are sampled on the device, and the host reads the tokens
+    only in `result()`, after it has launched the next step. A subclass that replaces `decode` (tests that
+    inject hangs), or an instance whose decode was replaced, gets no launch_decode, so the engine keeps
+    calling that decode.
+decode samples with the PyTorch sampler (sampling.py) on the same device, after the step; launch_decode with
+torch_launch.sample_on_device (the same draws, no host read). Host inputs (token ids, positions, rows, block
+tables) go up through pinned memory without a sync.
 NORTHCODE_TORCH_MOE=grouped|gathered picks the decode MoE path (routed_experts.py) to measure both.
 """
 
@@ -33,10 +40,13 @@ from northcode.engine.paged_prefill import ChunkPrefill
 from northcode.engine.request import SamplingParams
 from northcode.engine.routed_experts import choose_moe_path
 from northcode.engine.sampling import Sampler
+from northcode.engine.torch_launch import LaunchedDecode, carried_tokens, check_launchable, copy_from_host
+from northcode.engine.torch_launch import sample_on_device, to_device
 
 log = logging.getLogger(__name__)
 MIN_CONTEXT_PAGES = 4  # smallest context bucket of the decode graphs (pages of full layers)
 BUCKET_STEPS_PER_OCTAVE = 8  # context buckets: 16, 18, 20, ..., 30, 32, 36, ... pages
+_OWN_LAUNCH = object()  # TorchBackend.launch_decode not set on the instance
 
 
 def next_power_of_two(n: int) -> int:
@@ -96,6 +106,8 @@ class TorchBackend:
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.graph_pool = None
         self.sampler = Sampler()
+        self.last_launch_tokens: torch.Tensor | None = None  # device long [B]: what launch_decode sampled last
+        self._launch_override = _OWN_LAUNCH  # what `launch_decode = ...` set on this instance, if anything
         self.prefiller = ChunkPrefill(self)
         self.decoder = DecodeStep(self)  # its prepare / layer are what the GPU tests teacher-force
         self.decode_step = self.decoder.__call__  # (token_ids, positions, rows, num_full_pages) -> logits
@@ -124,27 +136,53 @@ class TorchBackend:
         if version != self.tables_version:
             columns = self.max_pages_per_seq if high_water is None else high_water
             host = host_tables[:, :, :columns]
-            self.tables[:, :self.max_batch, :columns].copy_(host, non_blocking=True)
+            copy_from_host(self.tables[:, :self.max_batch, :columns], host)
             page_of = torch.where(host < 0, self.scratch_page, host.long())  # on the host: no device kernel
-            self.page_of[:, :self.max_batch, :columns].copy_(page_of, non_blocking=page_of.is_pinned())
+            copy_from_host(self.page_of[:, :self.max_batch, :columns], page_of)
             self.tables_version = version
 
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         """Each chunk runs alone: its tokens attend to each other and to the row's cached pages."""
         self._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
-        last_hidden = [self.prefiller.forward(torch.tensor(chunk.token_ids, device=self.device), chunk.start,
+        last_hidden = [self.prefiller.forward(to_device(torch.tensor(chunk.token_ids), self.device), chunk.start,
                                               chunk.row)[-1] for chunk in batch.chunks]
         return self.logits(torch.stack(last_hidden))
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> DecodeResult:
-        logits = self._decode_logits_for(batch)
+        self.last_launch_tokens = None  # a later launch can carry nothing across this step
+        inputs = to_device(torch.tensor(batch.token_ids, dtype=torch.long), self.device)  # [B]
+        logits = self._decode_logits_for(batch, inputs)
         token_ids = self.sampler.sample(logits, batch.sampling).token_ids if batch.sample else None
         return DecodeResult(token_ids, logits if batch.return_logits else None)
 
-    def _decode_logits_for(self, batch: DecodeBatch) -> torch.Tensor:
-        """[B, V] fp32 logits of one decode step (in a CUDA graph on a GPU)."""
+    @property
+    def launch_decode(self):
+        """The pipelined decode (backend.py), or None when decode was replaced on the class or on this instance
+        (tests that inject hangs and failures): launching would bypass it, so the engine decodes step by step."""
+        if self._launch_override is not _OWN_LAUNCH:
+            return self._launch_override
+        replaced = type(self).decode is not TorchBackend.decode or "decode" in self.__dict__
+        return None if replaced else self._launch_decode
+
+    @launch_decode.setter
+    def launch_decode(self, launch) -> None:
+        self._launch_override = launch
+
+    @torch.inference_mode()
+    def _launch_decode(self, batch: DecodeBatch, carry: list[int]) -> LaunchedDecode:
+        """Enqueue one decode step and its sampling; return without reading the device (backend.py).
+        carry[b] >= 0: row b feeds the token row carry[b] of the previous launch sampled."""
+        previous = self.last_launch_tokens
+        check_launchable(batch, carry, None if previous is None else previous.shape[0])
+        token_ids = carried_tokens(batch.token_ids, carry, previous, self.device)  # device long [B]
+        tokens = sample_on_device(self._decode_logits_for(batch, token_ids), batch.sampling)
+        self.last_launch_tokens = tokens
+        return LaunchedDecode(tokens)
+
+    def _decode_logits_for(self, batch: DecodeBatch, token_ids: torch.Tensor) -> torch.Tensor:
+        """[B, V] fp32 logits of one decode step (in a CUDA graph on a GPU); token_ids: device long [B]."""
         self._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
         num_rows = len(batch.rows)
         bucket = min(next_power_of_two(num_rows), self.max_batch) if self.use_graphs else num_rows
@@ -153,13 +191,11 @@ class TorchBackend:
         if self.use_graphs:
             num_full_pages = context_bucket(context_pages, self.max_pages_per_seq)
         pad = bucket - num_rows
-        token_ids = torch.tensor(batch.token_ids + [0] * pad)
-        positions = torch.tensor(batch.positions + [0] * pad)
-        rows = torch.tensor(batch.rows + [self.max_batch] * pad)
+        token_ids = F.pad(token_ids, (0, pad))  # padded rows feed token 0 at position 0 of the scratch row
+        positions = to_device(torch.tensor(batch.positions + [0] * pad), self.device)
+        rows = to_device(torch.tensor(batch.rows + [self.max_batch] * pad), self.device)
         if not self.use_graphs:
-            logits = self.decode_step(token_ids.to(self.device), positions.to(self.device),
-                                      rows.to(self.device), num_full_pages)
-            return logits[:num_rows]
+            return self.decode_step(token_ids, positions, rows, num_full_pages)[:num_rows]
         graph = self.graphs.get((bucket, num_full_pages))
         if graph is None:
             graph = self._capture(bucket, num_full_pages)
@@ -203,8 +239,9 @@ class _DecodeGraph:
         backend.graph_pool = self.graph.pool()
 
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        self.token_ids.copy_(token_ids, non_blocking=True)
-        self.positions.copy_(positions, non_blocking=True)
-        self.rows.copy_(rows, non_blocking=True)
+        """Inputs: device long [batch] each; device-to-device copies into the static inputs, then replay."""
+        self.token_ids.copy_(token_ids)
+        self.positions.copy_(positions)
+        self.rows.copy_(rows)
         self.graph.replay()
         return self.logits
