@@ -3,7 +3,8 @@
 #     run(command="bash tools/device_engine_check.sh", timeout_s=570)
 # Run it after tools/device_next_session.sh. What it checks (logs under $OUT, a short table last):
 #   gpu      tests/gpu/test_engine_gpu.py (fp32 full-width layers at 8K teacher-forced, batch == alone,
-#            graphs == eager, bf16 per layer for both MoE paths, CUDA kernel count) and the megakernel
+#            graphs == eager, bf16 per layer for both MoE paths, CUDA kernel count), the torch backend's
+#            pipelined launches under sync-debug "error" (no host waits), and the megakernel
 #            backend test through the engine (backend = megakernel, restart after an injected failure)
 #   ops      kernels per decode step on the GPU (prediction: ~1,300 at B=1, ~1,450 at B=8)
 #   decode   the torch decode step alone at B = 1, 8 and 8K, grouped and gathered MoE
@@ -25,7 +26,7 @@ phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/N
 }
 
 phase gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_engine_gpu.py \
-  tests/gpu/test_engine_backend_choice_gpu.py
+  tests/gpu/test_torch_launch_gpu.py tests/gpu/test_engine_backend_choice_gpu.py
 phase ops 40 bash -c 'python3 -m northcode.engine.op_count --cuda --batch 1 && python3 -m northcode.engine.op_count --cuda --batch 8'
 phase decode 110 bash -c 'python3 -m northcode.cli bench decode --backends torch --batch 1 8 --context 8192 --steps 20 --out '"$OUT"'/decode_grouped \
   && NORTHCODE_TORCH_MOE=gathered python3 -m northcode.cli bench decode --backends torch --batch 1 8 --context 8192 --steps 20 --out '"$OUT"'/decode_gathered'

@@ -15,8 +15,8 @@ backend is rebuilt (recovery.py), or, when the device is lost, `fatal_error` is 
 
 Pipelining (pipeline.py): with a backend that offers launch_decode, the step launches decode n+1 before
 it reads step n's tokens (rows feed the token they sampled from device memory), so the GPU does not wait
-while this thread detokenises, checks stops and schedules. Today's backends decode synchronously; a
-TorchBackend with pipeline.SynchronousLaunch runs the same engine path on the CPU (the tests).
+while this thread detokenises, checks stops and schedules. TorchBackend launches itself
+(torch_launch.py; synchronously on the CPU); the megakernel backend does not yet offer launch_decode.
 """
 
 from __future__ import annotations

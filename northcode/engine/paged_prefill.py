@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from northcode.engine.model import apply_rope, rope_cos_sin, swiglu
 from northcode.engine.routed_experts import add_moe
+from northcode.engine.torch_launch import to_device
 
 SCORE_BUDGET_BYTES = 1 << 30  # fp32 attention scores of one query block at most
 
@@ -29,7 +30,7 @@ class ChunkPrefill:
         backend, cfg, ps = self.backend, self.config, self.backend.page_size
         end = start + token_ids.shape[0]
         positions = torch.arange(start, end, device=backend.device)[None]  # [1, T]
-        rows = torch.tensor([row], device=backend.device)
+        rows = to_device(torch.tensor([row]), backend.device)  # [1], enqueued without a host wait
         cos, sin = rope_cos_sin(positions, backend.inv_freq, backend.dtype)  # [1, T, D]
         end_page = -(-end // ps)
         first = max(0, start - cfg.sliding_window + 1) // ps if cfg.sliding_window is not None else 0

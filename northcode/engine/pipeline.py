@@ -89,8 +89,8 @@ class ImmediateDecode:
 
 class SynchronousLaunch:
     """launch_decode for a backend whose decode synchronises: runs the step at once, feeding carried rows
-    the tokens the previous launch returned. Same outputs, no overlap: what the CPU tests drive the
-    pipelined engine with, and a reference for a device implementation."""
+    the tokens the previous launch returned. Same outputs, no overlap: the reference for a device
+    implementation (TorchBackend.launch_decode), and what the watchdog tests drive the engine with."""
 
     def __init__(self, backend) -> None:
         self.backend = backend
