@@ -125,19 +125,11 @@ class Sampler:
 
     @staticmethod
     def _draw(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Exponential-race sampling (argmax p / E, E ~ Exp(1)), each row with its own counter-seeded noise."""
-        device = scaled.device
-        top_k = torch.tensor([r.params.top_k for r in rows], device=device)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device, dtype=scaled.dtype)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device, dtype=scaled.dtype)
-        probs = torch.softmax(scaled, dim=-1)
-        if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
-            probs = filter_probs(probs, top_k, top_p, min_p)
-        noise = torch.empty_like(probs)
-        for b, row in enumerate(rows):
-            generator = torch.Generator(device=device).manual_seed(noise_seed(row.seed, len(row.output_ids)))
-            noise[b].exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
+        """Exponential-race sampling (argmax p / E, E ~ Exp(1)), each row with its own counter-seeded noise:
+        the same draw as the torch backend's device sampler (torch_launch.draw_tokens)."""
+        from northcode.engine.torch_launch import draw_tokens  # torch_launch imports this module
+
+        return draw_tokens(scaled, rows)
 
 
 class StopStringFilter:

@@ -83,12 +83,13 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     random_rows = [b for b, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         index = to_device(torch.tensor(random_rows, dtype=torch.long), device)
-        tokens.index_copy_(0, index, _draw(scaled.index_select(0, index), [rows[b] for b in random_rows]))
+        tokens.index_copy_(0, index, draw_tokens(scaled.index_select(0, index), [rows[b] for b in random_rows]))
     return tokens
 
 
-def _draw(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Sampler._draw without its host read: exponential race, argmax p / E, E ~ Exp(1) seeded by (seed, draw)."""
+def draw_tokens(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """scaled [B, V] fp32 -> tokens [B]: exponential race, argmax p / E, E ~ Exp(1) seeded by (seed, draw).
+    Which filters apply is decided on the host from the parameters, so nothing waits for the device."""
     device = scaled.device
     params = [r.params for r in rows]
     probs = torch.softmax(scaled, dim=-1)
