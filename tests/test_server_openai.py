@@ -233,21 +233,25 @@ def test_tool_calling_request_shape(client):
         assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def wait_until_ready(process: subprocess.Popen, timeout_s: float = 120) -> tuple[str, list[str]]:
+    """Read a serve process's stderr until its "ready at URL/v1" line: (base URL, the lines read)."""
+    log_lines, deadline = [], time.time() + timeout_s
+    while time.time() < deadline:
+        line = process.stderr.readline()
+        assert line or process.poll() is None, "".join(log_lines)
+        log_lines.append(line)
+        if "ready at" in line:
+            return line.split("ready at ")[1].split("/v1")[0], log_lines
+    raise AssertionError("serve was not ready in time:\n" + "".join(log_lines))
+
+
 def test_serve_command_end_to_end(tiny_checkpoint):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "northcode.cli", "serve", "--model", str(tiny_checkpoint), "--port", "0", "--api-key", "k3y",
            "--num-pages", "256", "--max-batch", "1", "--max-queue", "1", "--log-level", "warning"]
     process = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        log_lines, url = [], None
-        deadline = time.time() + 120
-        while url is None and time.time() < deadline:
-            line = process.stderr.readline()
-            assert line or process.poll() is None, "".join(log_lines)
-            log_lines.append(line)
-            if "ready at" in line:
-                url = line.split("ready at ")[1].split("/v1")[0]
-        assert url, "".join(log_lines)
+        url, log_lines = wait_until_ready(process)
         snippet_lines, backend_line = [], None
         for line in process.stderr:
             if line.startswith("  backend: "):
@@ -424,15 +428,7 @@ def test_serve_prints_a_fatal_engine_error_and_exits_1(tiny_checkpoint):
            "--device", "cpu", "--num-pages", "256", "--log-level", "warning"]
     process = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        log_lines, url = [], None
-        deadline = time.time() + 120
-        while url is None and time.time() < deadline:
-            line = process.stderr.readline()
-            assert line or process.poll() is None, "".join(log_lines)
-            log_lines.append(line)
-            if "ready at" in line:
-                url = line.split("ready at ")[1].split("/v1")[0]
-        assert url, "".join(log_lines)
+        url, log_lines = wait_until_ready(process)
         body = {"model": "m", "messages": messages("hi"), "max_tokens": 8, "temperature": 0}
         hung = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)  # its third decode never returns
         assert hung.status_code == 500 and "did not finish within" in hung.json()["error"]["message"]
