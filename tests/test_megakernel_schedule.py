@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from northcode.engine.megakernel import (FLAG_DEEP_LOADS, FLAG_DEEP_MOE, FLAG_VARIANTS, TASK_WORDS, VARIANTS, TaskType,
-                                         attention_splits, build_schedule, make_task, place_waves)
+from northcode.engine.megakernel import (TASK_WORDS, VARIANTS, TaskType, attention_splits, build_schedule, make_task,
+                                         place_waves)
 from northcode.engine.synthetic import preset_config
 
 
@@ -46,8 +46,7 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
     v = VARIANTS[variant]
     for blocks, context in ((132, 8192), (7, 100)):
         splits = attention_splits(config, batch, blocks, context)
-        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles, v.fuse_combine,
-                                  v.oproj_drain, v.topk_ticket)
+        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles)
         assert schedule.tasks.shape[1] == TASK_WORDS
         counters = simulate(schedule)
         tasks = schedule.tasks.tolist()
@@ -56,46 +55,14 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
                 if idx >= 0:
                     assert counters.get(idx, 0) == target, f"{TaskType(t[0]).name} waits for {target}, gets {counters.get(idx, 0)}"
         kinds = {TaskType(t[0]) for t in tasks}
-        expected = set(TaskType) - {TaskType.STOP, TaskType.OPROJ_DRAIN}
-        if v.fuse_combine:
-            expected -= {TaskType.COMBINE}
-        if v.topk_ticket:
-            expected -= {TaskType.TOPK}
-        if v.oproj_drain:
-            expected = expected - {TaskType.OPROJ} | {TaskType.OPROJ_DRAIN}
-        assert kinds == expected
-        uses_variant_kernel = v.fuse_combine or v.oproj_drain or v.topk_ticket or v.flags & (FLAG_DEEP_LOADS | FLAG_DEEP_MOE)
-        assert bool(v.flags & FLAG_VARIANTS) == bool(uses_variant_kernel), "variant task forms need FLAG_VARIANTS"
+        assert kinds == set(TaskType) - {TaskType.STOP}
         assert max(max(t[8], t[9], t[12]) for t in tasks) < schedule.num_counters
-        tickets = [t[7] - 1 for t in tasks if t[0] == TaskType.ATTN and t[7] > 0] + \
-                  [t[4] - 1 for t in tasks if t[0] == TaskType.ROUTER and t[4] > 0]
-        waited = {t[8] for t in tasks} | {t[9] for t in tasks}
-        assert not set(tickets) & waited, "a ticket counter is also a wait counter"
-        assert all(0 <= k < schedule.num_counters for k in tickets)
-
-
-def test_fused_tail_merges_by_ticket_and_drains_oproj() -> None:
-    """fused-tail: each ATTN task carries its (row, KV head) ticket and the split count; o_proj waits for
-    every split; one OPROJ_DRAIN per block, which the next layer's norm counts."""
-    config = preset_config("north-mini-code")
-    v = VARIANTS["fused-tail"]
-    splits = attention_splits(config, 1, 132, 8192)
-    tasks = build_schedule(config, 1, 132, splits, v.wave_order, v.qkv_tiles, v.fuse_combine, v.oproj_drain,
-                           v.topk_ticket).tasks.tolist()
-    layer1 = [t for t in tasks if t[1] == 1]
-    attn = [t for t in layer1 if t[0] == TaskType.ATTN]
-    assert len(attn) == 32 * config.num_key_value_heads and all(t[7] > 0 and t[5] == 32 for t in attn)
-    assert len({t[7] for t in attn}) == config.num_key_value_heads  # one ticket per (row, KV head)
-    drains = [t for t in layer1 if t[0] == TaskType.OPROJ_DRAIN]
-    assert len(drains) == 132 and {t[10] for t in drains} == {len(attn)}
-    norm2 = next(t for t in tasks if t[0] == TaskType.NORM and t[1] == 2)
-    assert norm2[8] == drains[0][12] and norm2[10] == 132
 
 
 def test_splits_cover_the_sms_but_never_exceed_pages() -> None:
     config = preset_config("north-mini-code")
     assert attention_splits(config, 1, 132, 8192)[0] == 32
-    assert attention_splits(config, 8, 132, 8192)[0] == 5
+    assert attention_splits(config, 8, 132, 8192)[0] == 4  # 128 tasks: one round on 132 SMs
     assert max(attention_splits(config, 1, 132, 10)) == 2
 
 
@@ -135,8 +102,8 @@ def test_profile_summary_accounts_waits_busy_time_and_layers() -> None:
 def test_variant_names_are_checked(monkeypatch) -> None:
     from northcode.engine.megakernel import variant_from_env
 
-    monkeypatch.setenv("NC_VARIANT", "fused-tail")
-    assert variant_from_env() == "fused-tail"
+    monkeypatch.setenv("NC_VARIANT", "no-kv-preload")
+    assert variant_from_env() == "no-kv-preload"
     monkeypatch.setenv("NC_VARIANT", "fastest")
-    with pytest.raises(ValueError, match="NC_VARIANT='fastest'.*fused-tail"):
+    with pytest.raises(ValueError, match="NC_VARIANT='fastest'.*no-kv-preload"):
         variant_from_env()

@@ -8,7 +8,7 @@ kernel's per-layer expert counts, plus the KV the rows attend to), and % of spee
 PNG plot. `--variants` times megakernel variants (megakernel_variants.py: flags and task-list options)
 against the default in the same run. The torch baseline is the engine's TorchBackend (paged, CUDA graphs)
 on a copy of the same pools, falling back to model.py's eager decode if it fails; it is skipped where the
-copy would not fit.
+copy would not fit. A torch cell notes what it timed when that is not the graphed step.
 """
 
 from __future__ import annotations
@@ -156,11 +156,13 @@ def bench_cell(config, weights, backend: str, batch: int, context: int, steps: i
         return None
     lengths = [context] * batch
     cache = paged_cache(config, lengths, steps + warmup + 1, "cuda", seed=batch)  # +1: the profiled step
-    breakdown = None
+    breakdown, note = None, None
     if backend in VARIANTS:
         ms, counts, breakdown = time_megakernel(config, weights, cache, steps, warmup, VARIANTS[backend], profile)
     else:
-        ms, counts = time_torch(config, weights, cache, steps, warmup)
+        ms, counts, note = time_torch(config, weights, cache, steps, warmup)
+        if ms is None:
+            return None
     del cache
     torch.cuda.empty_cache()
     nbytes = bytes_per_step(config, counts, [context + warmup + steps // 2] * batch)
@@ -168,7 +170,9 @@ def bench_cell(config, weights, backend: str, batch: int, context: int, steps: i
         print(f"  profile {backend} B={batch}: span {breakdown['span_us']} us, busy {breakdown['busy_fraction']:.0%}, median layer "
               f"{sorted(breakdown['layer_us'])[len(breakdown['layer_us']) // 2]} us; "
               + ", ".join(f"{k} wait {v['wait_us']} busy {v['busy_us']}" for k, v in breakdown["by_type"].items()))
-    return dict(backend=backend, batch=batch, context=context, ms_per_step=ms, tokens_per_s=batch * 1000 / ms, profile=breakdown,
+        for layer, line in breakdown.get("timelines", {}).items():
+            print(f"  timeline {backend} B={batch} layer {layer}: {line}")
+    return dict(backend=backend, batch=batch, context=context, ms_per_step=ms, tokens_per_s=batch * 1000 / ms, profile=breakdown, note=note,
                 gb_per_step=nbytes / 1e9, experts_per_layer=sum(counts) / max(1, sum(1 for c in counts if c)),
                 sol_datasheet=nbytes / (DATASHEET_TBPS * 1e12) * 1e3 / ms,
                 sol_measured=nbytes / (bandwidth["read_tbps"] * 1e12) * 1e3 / ms)
@@ -201,18 +205,45 @@ def time_megakernel(config, weights, cache, steps: int, warmup: int, variant: st
     return begin.elapsed_time(end) / steps, counts, breakdown
 
 
-def time_torch(config, weights, cache, steps: int, warmup: int) -> tuple[float, list[int]]:
-    """The engine's TorchBackend (paged, CUDA graphs, grouped-GEMM MoE); model.py's eager decode if that fails."""
+def time_torch(config, weights, cache, steps: int, warmup: int) -> tuple[float | None, list[int], str | None]:
+    """The engine's TorchBackend (paged, CUDA graphs, grouped-GEMM MoE) -> (ms per step, expert counts, note).
+
+    The note says what was timed when it is not the graphed step: a bucket whose capture failed runs eagerly
+    inside the backend; if the backend fails outright, model.py's eager decode is timed instead (after the
+    failed backend is gone, so nothing of it leaks into that measurement); ms is None if that fails too."""
+    import gc
+
+    import torch
+
+    note = None
     try:
-        ms = time_torch_backend(config, weights, cache, steps, warmup)
+        ms, failures = time_torch_backend(config, weights, cache, steps, warmup)
+        if failures:
+            note = "eager, capture failed: " + "; ".join(failures)
     except Exception as err:  # a baseline problem must not lose the megakernel's figures
-        print(f"torch backend failed ({type(err).__name__}: {err}); timing model.py's eager decode instead")
-        ms = time_model_eager(config, weights, cache, steps, warmup)
+        note = f"model.py eager; torch backend failed: {type(err).__name__}: {str(err).strip().splitlines()[0]}"
+        ms = None
+    if ms is None:
+        print(f"torch B={len(cache.lengths)}: {note}", flush=True)
+        gc.collect()  # the failed backend (its graphs, pools) goes before anything else runs
+        torch.cuda.empty_cache()
+        try:
+            ms = time_model_eager(config, weights, cache, steps, warmup)
+        except Exception as err:
+            print(f"torch B={len(cache.lengths)}: model.py eager failed too ({type(err).__name__}: {err}); no figure",
+                  flush=True)
+            ms = None
+    elif note:
+        print(f"torch B={len(cache.lengths)}: {note}", flush=True)
     expected = expected_distinct_experts(config, len(cache.lengths))
-    return ms, [0 if config.is_dense(i) else expected for i in range(config.num_hidden_layers)]
+    return ms, [0 if config.is_dense(i) else expected for i in range(config.num_hidden_layers)], note
 
 
-def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> float:
+def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> tuple[float, list[str]]:
+    """ms per graphed decode step, and the backend's capture failures (buckets it ran eagerly). The backend
+    is freed before returning (gc: it lives in reference cycles), so its graphs go before the next capture."""
+    import gc
+
     import torch
 
     from northcode.engine.backend import DecodeBatch
@@ -234,7 +265,11 @@ def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> float
         decode(step)
     end.record()
     end.synchronize()
-    return begin.elapsed_time(end) / steps
+    failures = [f"batch {b}, {p} pages: {why}" for (b, p), why in backend.capture_failures.items()]
+    del backend, decode
+    gc.collect()
+    torch.cuda.empty_cache()
+    return begin.elapsed_time(end) / steps, failures
 
 
 def time_model_eager(config, weights, cache, steps: int, warmup: int) -> float:
@@ -278,9 +313,10 @@ def add_speedups(results: list[dict]) -> None:
 
 def format_row(r: dict) -> str:
     speedup = f"{r['speedup_vs_torch']:.2f}x" if r.get("speedup_vs_torch") else "-"
+    note = f"  ({r['note']})" if r.get("note") else ""
     return (f"{r['backend']:>28} B={r['batch']} ctx={r['context']:>6} {r['ms_per_step']:8.3f} ms "
             f"{r['tokens_per_s']:8.1f} tok/s {r['gb_per_step']:6.2f} GB  SoL {100 * r['sol_datasheet']:5.1f}% "
-            f"(4.8) {100 * r['sol_measured']:5.1f}% (measured)  {speedup}")
+            f"(4.8) {100 * r['sol_measured']:5.1f}% (measured)  {speedup}{note}")
 
 
 def table(results: list[dict]) -> str:
@@ -291,7 +327,8 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | {r['ms_per_step']:.3f} | {r['tokens_per_s']:.1f} "
                      f"| {r['gb_per_step']:.2f} | {r['experts_per_layer']:.1f} | {100 * r['sol_datasheet']:.1f} "
                      f"| {100 * r['sol_measured']:.1f} | {speedup} |")
-    return "\n".join(lines)
+    notes = [f"{r['backend']} B={r['batch']} ctx={r['context']}: {r['note']}" for r in results if r.get("note")]
+    return "\n".join(lines + notes)
 
 
 def plot(results: list[dict], path: Path) -> None:

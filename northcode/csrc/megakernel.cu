@@ -15,10 +15,11 @@
 //   NC_ABI_VERSION.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
-#define NC_ABI_VERSION 4
+#define NC_ABI_VERSION 5
 
 #if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
@@ -61,7 +62,6 @@ constexpr int kKvSize = kKvHeads * kHeadDim;
 constexpr int kPage = 64;                      // tokens per KV block (docs/architecture.md)
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kSmemBytes = 96 * 1024;
 
 static_assert(kMaxBatch == 8, "the batch is the n8 operand of mma.m16n8k16");
 static_assert(kHidden % 32 == 0 && kQSize % 32 == 0 && kExpertWidth % 32 == 0 && kDenseWidth % 32 == 0,
@@ -76,12 +76,10 @@ enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
   TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
-  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none),
-                        //   arg5 ticket counter + 1 (0: none): the last split to arrive merges (no COMBINE)
+  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits; arg2 ticket counter + 1 (0: none),
-                        //   arg3 ROUTER tasks of the layer: the last to arrive runs TOPK (no TOPK task)
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
   TASK_MOE_UP = 8,      // drain: arg0 claim counter, arg1 first "slot done" counter
   TASK_MOE_DOWN = 9,    // drain: arg0 claim counter, arg1 first "slot done" counter
@@ -89,19 +87,12 @@ enum TaskType : int {
   TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
   TASK_LM_HEAD = 12,    // arg0 first 32-row tile, arg1 tiles, arg2 task index: logits + partial argmaxes
   TASK_SAMPLE = 13,     // arg0 row, arg1 LM-head task count: next token
-  TASK_OPROJ_DRAIN = 14,  // drain: arg0 claim counter: o_proj tiles claimed by atomicAdd until none is left
-  NUM_TASK_TYPES = 15,
+  NUM_TASK_TYPES = 14,
 };
 
-// Params.flags bits. DEEP_LOADS (variant kernel only): single 16-row tiles (QKV, o_proj, router) are copied
-// whole into shared memory with cp.async, activation rows too, then multiplied (mma_tiles_deep).
-// VARIANTS: launch the variant build of the kernel (kVariants = true below), the only one that knows the
-// arrival tickets, OPROJ_DRAIN and DEEP_LOADS; the default kernel compiles none of them (its code and
-// registers stay those of the tested default path) and refuses their task forms.
-// DEEP_MOE (variant kernel only): the two-tile products (MoE up / down drains, dense up, LM head) the same way.
-enum Flags : int {
-  NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_DEEP_LOADS = 4, NC_FLAG_VARIANTS = 8, NC_FLAG_DEEP_MOE = 16
-};
+// Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
+// NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -155,6 +146,7 @@ struct Params {
   unsigned int* counters;                // [num_counters], zeroed before each launch
   int num_counters;
   int flags;                             // NC_FLAG_* (runtime variants the benchmark compares)
+  int kv_stages;                         // stages of the attention ring, 1..kStages (sizes the launch's shared memory)
   const RowState* rows;                  // [NC_MAX_BATCH]
   int* tokens;                           // [NC_MAX_BATCH] in: this step's tokens; out: sampled tokens
   int* status;                           // [4] code, detail, detail, 0
@@ -244,21 +236,6 @@ __device__ void signal_counter(const Params& p, int idx) {
     __threadfence();
     atomicAdd(p.counters + idx, 1u);
   }
-}
-
-// Arrival ticket (a merge by the last producer instead of a separate consumer task): after the block's
-// outputs are written, count one on counters[ticket]; true in the block that brings it to `total`, which
-// then sees every other arriving block's outputs (fence after the atomic; read them through L2, __ldcg).
-__device__ bool last_to_arrive(const Params& p, int ticket, int total) {
-  __shared__ int is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    is_last = atomicAdd(p.counters + ticket, 1u) + 1u == (unsigned)total;
-    if (is_last) __threadfence();
-  }
-  __syncthreads();
-  return is_last != 0;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -410,107 +387,6 @@ struct GemmSmem {
   ArgMax best[128];
 };
 
-// ---- the deep product (NC_FLAG_DEEP_LOADS / NC_FLAG_DEEP_MOE, variant kernel only) ----
-// NT 16-row tiles, as mma_tiles<NT> (each warp adds the same k-chunks in the same order into each tile's
-// accumulators: bit-identical sums), but every tile is requested whole at once: each lane copies its own
-// weight pieces (rows g and g+8 of each of its k-chunks, 16 B each) and the block copies the batch rows of
-// `act` into shared memory with cp.async, then waits once and multiplies from shared memory. Up to 128 KB of
-// weights in flight per block (K = 4096 at NT = 1, K = 2048 at NT = 2) instead of 32 / 64 KB, one round
-// trip per product instead of K / 1024 (NT = 1) or K / 512 (NT = 2), and no registers held for the loads.
-// Shared memory (the variant kernel's larger allocation): GemmSmem, then the staged activation rows
-// [8][K + 8] (padded by 16 B), then the weight pieces [kDeepSlots][2][256 threads] x 16 B.
-// Uses: NT = 1 at K = H or Hq*D (QKV, o_proj, router); NT = 2 at K = H or I (MoE up / down, dense up, LM head).
-// Not inlined: inlined into the variant kernel it pushes it past 255 registers (spills); as a call it costs
-// a 96-byte stack frame for the registers saved around the call, once per product.
-constexpr int kMaxK = kHidden > kQSize ? (kHidden > kExpertWidth ? kHidden : kExpertWidth)
-                                       : (kQSize > kExpertWidth ? kQSize : kExpertWidth);
-constexpr int chunks_per_warp(int K) { return (K / 32 + kWarps - 1) / kWarps; }
-constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int kDeepSlots = cmax(cmax(chunks_per_warp(kHidden), chunks_per_warp(kQSize)),
-                                2 * cmax(chunks_per_warp(kHidden), chunks_per_warp(kExpertWidth)));
-constexpr int kDeepActOffset = (int)sizeof(GemmSmem);
-constexpr int kDeepWeightOffset = kDeepActOffset + kMaxBatch * (kMaxK + 8) * 2;
-constexpr int kDeepBytes = kDeepWeightOffset + kDeepSlots * 2 * kThreads * 16;
-constexpr int kSmemVariantBytes = kDeepBytes > kSmemBytes ? kDeepBytes : kSmemBytes;  // 202 KB at North Mini Code
-static_assert(sizeof(GemmSmem) % 16 == 0 && kDeepWeightOffset % 16 == 0, "deep product: 16-byte alignment");
-static_assert(kSmemVariantBytes <= 227 * 1024, "deep product: shared memory beyond the 227 KB a block may have");
-
-template <int NT>
-__device__ __noinline__ void mma_tiles_deep(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K, const bf16* act,
-                               int act_stride, int batch, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  bf16* act_s = reinterpret_cast<bf16*>(smem + kDeepActOffset);
-  uint4* w_s = reinterpret_cast<uint4*>(smem + kDeepWeightOffset);  // slot (j * NT + n) * 2 + half
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int nchunk = K / 32, row_pieces = K / 8, stride = K + 8;
-  __syncthreads();  // the previous product's epilogue has read s.out and its staged rows
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const bf16* w_lo = w_tile[n] + (size_t)min(g, valid_rows[n] - 1) * K + 8 * t;
-    const bf16* w_hi = w_tile[n] + (size_t)min(g + 8, valid_rows[n] - 1) * K + 8 * t;
-    for (int j = 0, c = warp; c < nchunk; ++j, c += kWarps) {
-      cp_async16(w_s + ((j * NT + n) * 2) * kThreads + threadIdx.x, w_lo + c * 32);
-      cp_async16(w_s + ((j * NT + n) * 2 + 1) * kThreads + threadIdx.x, w_hi + c * 32);
-    }
-  }
-  for (int i = threadIdx.x; i < batch * row_pieces; i += kThreads) {
-    const int r = i / row_pieces, c = i % row_pieces;
-    cp_async16(act_s + r * stride + c * 8, act + (size_t)r * act_stride + c * 8);
-  }
-  asm volatile("cp.async.commit_group;");
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-  __syncthreads();  // the staged rows come from every thread
-  const bool has_row = g < batch;
-  const bf16* a_row = act_s + g * stride + 8 * t;
-  float acc[NT][4];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  for (int j = 0, c = warp; c < nchunk; ++j, c += kWarps) {
-    const uint4 xa = has_row ? *reinterpret_cast<const uint4*>(a_row + c * 32) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const uint4 wa = w_s[((j * NT + n) * 2) * kThreads + threadIdx.x];
-      const uint4 wb = w_s[((j * NT + n) * 2 + 1) * kThreads + threadIdx.x];
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-          "{%0,%1,%2,%3};"
-          : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
-          : "r"(wa.x), "r"(wb.x), "r"(wa.y), "r"(wb.y), "r"(xa.x), "r"(xa.y));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-          "{%0,%1,%2,%3};"
-          : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
-          : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {  // [16][8] per (warp, tile), reduced in warp order as mma_tiles does
-    float* r = s.red + (warp * NT + n) * 128;
-    r[g * 8 + 2 * t] = acc[n][0];
-    r[g * 8 + 2 * t + 1] = acc[n][1];
-    r[(g + 8) * 8 + 2 * t] = acc[n][2];
-    r[(g + 8) * 8 + 2 * t + 1] = acc[n][3];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
-    const int n = i >> 7, e = i & 127;
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += s.red[(w * NT + n) * 128 + e];
-    s.out[i] = sum;
-  }
-  __syncthreads();
-}
-
-// mma_tiles<NT>, or mma_tiles_deep<NT> when `deep` (a flag of the variant kernel).
-template <int NT>
-__device__ __forceinline__ void product(bool deep, const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
-                                        const bf16* act, int act_stride, int batch, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  if (deep) mma_tiles_deep<NT>(w_tile, valid_rows, K, act, act_stride, batch, smem);
-  else mma_tiles<NT>(w_tile, valid_rows, K, act, act_stride, batch, s.red, s.out);
-}
-
 __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int which) {
   return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
 }
@@ -618,7 +494,6 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
                               : layer_ptr(p, layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
 }
 
-template <bool kVariants>
 __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int end = t.arg[0] + t.arg[1];
@@ -629,11 +504,6 @@ __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
       mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
-    } else if (kVariants && (p.flags & NC_FLAG_DEEP_LOADS)) {
-      const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
-      const int valid[1] = {16};
-      mma_tiles_deep<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
-      qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
@@ -645,53 +515,126 @@ __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
 
 // ====  6. Task: ATTN  ==========================================================================
 //   Split-KV decode attention for one (row, KV head, split): the split's share of the row's visible
-//   pages (the whole history, or the window's: keys p-W+1..p), K and V pages double-buffered into
-//   shared memory with cp.async, online softmax per query head of the group, unnormalised output
-//   and (max, sum) to attn_partial / attn_ml. Invalid tokens of a page are never read.
-constexpr int kKvRow = kHeadDim + 8;  // bf16 per shared row: +16 B keeps 16-byte reads conflict-free
-constexpr int kAccPer = (kGroup * kHeadDim + kThreads - 1) / kThreads;
-struct AttnSmem {
-  bf16 k[2][kPage][kKvRow];
-  bf16 v[2][kPage][kKvRow];
-  float q[kGroup][kHeadDim];
-  float score[kGroup][kPage];
-  float m[kGroup], l[kGroup], alpha[kGroup];
+//   pages (the whole history, or the window's: keys p-W+1..p). K and V pages stream through a ring of
+//   kStages shared-memory stages by cp.async; the pages wholly before the row's position are issued
+//   BEFORE the task waits for this step's q (attn_preload, called by the dispatcher), so at B = 1 the
+//   whole split is usually in shared memory when q arrives. Scores S[tok][head] = K q^T and the update
+//   O^T[d][head] += V^T P^T run on tensor cores (mma m16n8k16: K or V^T as the 16-row operand, the
+//   group's query heads as the 8 columns, fp32 accumulation); the online softmax is fp32 per query head,
+//   P is rounded to bf16 for the product (as a bf16 PyTorch path does). Outputs: the unnormalised O
+//   and (max, sum) per head to attn_partial / attn_ml.
+constexpr int kKvRow = kHeadDim + 8;  // bf16 per shared row: +16 B keeps the fragment loads conflict-free
+constexpr int kStages = kHeadDim > 64 ? 5 : 8;  // KV pages in flight per task (35 KB each at head_dim 128)
+constexpr int kProbRow = kPage + 8;
+constexpr int kDTiles = kHeadDim / 16;  // 16-row tiles of O^T
+static_assert(kGroup <= 8, "the query heads of a KV group are the n8 operand of the attention mma");
+static_assert(kDTiles <= kWarps, "one O^T tile per warp");
+struct KvStage {
+  bf16 k[kPage][kKvRow];
+  bf16 v[kPage][kKvRow];
 };
-static_assert(sizeof(AttnSmem) <= kSmemBytes, "attention shared memory");
+struct AttnSmem {
+  bf16 q[8][kKvRow];                 // the group's queries (rows >= kGroup are zero)
+  bf16 prob[8][kProbRow];            // this page's probabilities (rows >= kGroup are zero)
+  float score[kGroup][kPage];        // this page's scaled scores (-inf outside the visible range)
+  float m[8], l[8], alpha[8];
+  KvStage kv[kStages];               // the ring, last: a launch with fewer stages allocates a prefix
+};
+static_assert(sizeof(AttnSmem) <= 227 * 1024, "attention shared memory beyond the 227 KB a block may have");
 
+struct AttnRange {  // the pages [p0, p1) a split reads, and the visible positions [lo, pos]
+  int p0, p1, lo, pos;
+};
+__device__ AttnRange attn_range(const Params& p, const Task& t) {
+  const int b = t.arg[0], split = t.arg[2], nsplit = t.arg[3], window = t.arg[4];
+  const int pos = p.rows[b].position;
+  const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+  const int first = lo / kPage, npages = pos / kPage - first + 1;
+  return AttnRange{first + split * npages / nsplit, first + (split + 1) * npages / nsplit, lo, pos};
+}
+
+__device__ int attn_page_of(const Params& p, const Task& t, int pg) {
+  const RowState& rs = p.rows[t.arg[0]];
+  const int page = __ldcg(p.block_tables + ((size_t)t.layer * p.max_seqs + rs.seq) * p.max_pages_per_seq + pg);
+  if (page < 0 || page >= p.num_pages) {
+    if (threadIdx.x == 0) report(p, NC_ERR_BAD_PAGE, t.layer, t.arg[0]);
+    return 0;
+  }
+  return page;
+}
+
+// Issues the cp.async copies of one page (64 tokens of one KV head, K and V) into a stage; one commit group.
 __device__ void load_kv_page(const Params& p, AttnSmem& s, int stage, int page, int kvh) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces per token row
   for (int i = threadIdx.x; i < kPage * kChunks; i += kThreads) {
     const int o = i / kChunks, c = i % kChunks;
     const size_t src = (((size_t)page * kPage + o) * kKvHeads + kvh) * kHeadDim + c * 8;
-    cp_async16(&s.k[stage][o][c * 8], p.k_pool + src);
-    cp_async16(&s.v[stage][o][c * 8], p.v_pool + src);
+    cp_async16(&s.kv[stage].k[o][c * 8], p.k_pool + src);
+    cp_async16(&s.kv[stage].v[o][c * 8], p.v_pool + src);
   }
   asm volatile("cp.async.commit_group;");
 }
 
-__device__ void attn_page(AttnSmem& s, int stage, int lo_tok, int hi_tok, float scale, float (&acc)[kAccPer]) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int i = threadIdx.x; i < kGroup * kPage; i += kThreads) {  // scores of valid tokens
-    const int hq = i / kPage, o = i % kPage;
-    float sc = -INFINITY;
-    if (o >= lo_tok && o <= hi_tok) {
-      const uint4* kr = reinterpret_cast<const uint4*>(&s.k[stage][o][0]);
-      const float* qr = s.q[hq];
-      float dot = 0.f;
-#pragma unroll 4
-      for (int c = 0; c < kHeadDim / 8; ++c) {
-        const uint4 kv = kr[c];
-        const bf16* kb = reinterpret_cast<const bf16*>(&kv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dot += qr[c * 8 + e] * to_f(kb[e]);
-      }
-      sc = dot * scale;
-    }
-    s.score[hq][o] = sc;
+// How many of the split's first pages may be copied before this step's K/V is written: those wholly
+// before the row's position (its own page receives the new token), at most kStages.
+__device__ __forceinline__ int attn_early_pages(const AttnRange& r, int stages) {
+  return max(0, min(min(r.p1, r.pos / kPage) - r.p0, stages));
+}
+
+// Before the dependency wait (dispatcher): start copying the pages that do not depend on this step.
+__device__ void attn_preload(const Params& p, const Task& t, unsigned char* smem) {
+  AttnSmem& s = *reinterpret_cast<AttnSmem*>(smem);
+  const AttnRange r = attn_range(p, t);
+  const int early = attn_early_pages(r, p.kv_stages);
+  for (int j = 0; j < early; ++j) load_kv_page(p, s, j, attn_page_of(p, t, r.p0 + j), t.arg[1]);
+}
+
+// Waits until at most `pending` commit groups are still in flight (wait_group takes an immediate).
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+  switch (min(pending, 7)) {
+    case 0: asm volatile("cp.async.wait_group 0;"); break;
+    case 1: asm volatile("cp.async.wait_group 1;"); break;
+    case 2: asm volatile("cp.async.wait_group 2;"); break;
+    case 3: asm volatile("cp.async.wait_group 3;"); break;
+    case 4: asm volatile("cp.async.wait_group 4;"); break;
+    case 5: asm volatile("cp.async.wait_group 5;"); break;
+    case 6: asm volatile("cp.async.wait_group 6;"); break;
+    default: asm volatile("cp.async.wait_group 7;"); break;
   }
-  __syncthreads();
-  for (int hq = warp; hq < kGroup; hq += kWarps) {  // online softmax, one warp per query head
+}
+
+__device__ __forceinline__ unsigned smem_u32(const bf16* ptr) { return *reinterpret_cast<const unsigned*>(ptr); }
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Scores of one page: warps 0..3 each take 16 tokens, S[tok][head] = K[tok] . q[head] over head_dim.
+__device__ __forceinline__ void attn_scores(AttnSmem& s, int stage, int lo_tok, int hi_tok, float scale) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (warp >= kPage / 16) return;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  const int tok = warp * 16 + g;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim; kk += 16) {
+    mma_bf16(c, smem_u32(&s.kv[stage].k[tok][kk + 2 * t]), smem_u32(&s.kv[stage].k[tok + 8][kk + 2 * t]),
+             smem_u32(&s.kv[stage].k[tok][kk + 2 * t + 8]), smem_u32(&s.kv[stage].k[tok + 8][kk + 2 * t + 8]),
+             smem_u32(&s.q[g][kk + 2 * t]), smem_u32(&s.q[g][kk + 2 * t + 8]));
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {  // c[e]: token tok + 8 (e >> 1), head 2t + (e & 1)
+    const int o = tok + 8 * (e >> 1), hq = 2 * t + (e & 1);
+    if (hq < kGroup) s.score[hq][o] = (o >= lo_tok && o <= hi_tok) ? c[e] * scale : -INFINITY;
+  }
+}
+
+// Online softmax of one page, one warp per query head: probabilities (bf16) and the rescale factor.
+__device__ __forceinline__ void attn_softmax(AttnSmem& s) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int hq = warp; hq < kGroup; hq += kWarps) {
     const float v0 = s.score[hq][lane], v1 = s.score[hq][lane + 32];
     const float m_old = s.m[hq];
     const float m_new = fmaxf(m_old, warp_max(fmaxf(v0, v1)));
@@ -702,89 +645,92 @@ __device__ void attn_page(AttnSmem& s, int stage, int lo_tok, int hi_tok, float 
       alpha = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
     }
     const float sum = warp_sum(p0 + p1);
-    s.score[hq][lane] = p0;
-    s.score[hq][lane + 32] = p1;
-    __syncwarp();
+    s.prob[hq][lane] = __float2bfloat16_rn(p0);
+    s.prob[hq][lane + 32] = __float2bfloat16_rn(p1);
     if (lane == 0) {
       s.l[hq] = s.l[hq] * alpha + sum;
       s.m[hq] = m_new;
       s.alpha[hq] = alpha;
     }
   }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kAccPer; ++j) {  // acc = acc * alpha + P V over the valid tokens
-    const int idx = threadIdx.x + j * kThreads;
-    if (idx < kGroup * kHeadDim) {
-      const int hq = idx / kHeadDim, d = idx % kHeadDim;
-      float a = acc[j] * s.alpha[hq];
-      for (int o = lo_tok; o <= hi_tok; ++o) a += s.score[hq][o] * to_f(s.v[stage][o][d]);
-      acc[j] = a;
-    }
-  }
-  __syncthreads();  // the stage is refilled next
 }
 
-__device__ void combine_row(const Params& p, int b, int kvh, int nsplit);  // section 7
+// O^T[d][head] = O^T * alpha[head] + V^T P^T for this warp's 16 dims (V^T fragments by ldmatrix.trans).
+__device__ __forceinline__ void attn_pv(const AttnSmem& s, int stage, float (&acc)[4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (warp >= kDTiles) return;
+  acc[0] *= s.alpha[2 * t];
+  acc[1] *= s.alpha[2 * t + 1];
+  acc[2] *= s.alpha[2 * t];
+  acc[3] *= s.alpha[2 * t + 1];
+  const int row_in = (lane & 7) + ((lane >> 4) & 1) * 8, col = warp * 16 + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int k0 = 0; k0 < kPage; k0 += 16) {
+    unsigned a0, a1, a2, a3;
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(&s.kv[stage].v[k0 + row_in][col]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(addr));
+    mma_bf16(acc, a0, a1, a2, a3, smem_u32(&s.prob[g][k0 + 2 * t]), smem_u32(&s.prob[g][k0 + 2 * t + 8]));
+  }
+}
 
-template <bool kVariants>
 __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
   AttnSmem& s = *reinterpret_cast<AttnSmem*>(smem);
-  const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2], nsplit = t.arg[3], window = t.arg[4];
-  const RowState rs = p.rows[b];
-  const int pos = rs.position;
-  const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-  const int first = lo / kPage, npages = pos / kPage - first + 1;
-  const int p0 = first + split * npages / nsplit, p1 = first + (split + 1) * npages / nsplit;
-  const int* table = p.block_tables + ((size_t)t.layer * p.max_seqs + rs.seq) * p.max_pages_per_seq;
-  for (int i = threadIdx.x; i < kGroup * kHeadDim; i += kThreads)
-    s.q[i / kHeadDim][i % kHeadDim] = to_f(__ldcg(p.q + (size_t)b * kQSize + kvh * kGroup * kHeadDim + i));
-  if (threadIdx.x < kGroup) {
+  const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2];
+  const AttnRange r = attn_range(p, t);
+  const int n = r.p1 - r.p0;
+  int issued = (p.flags & NC_FLAG_NO_KV_PRELOAD) ? 0 : attn_early_pages(r, p.kv_stages);  // attn_preload's pages
+  for (int i = threadIdx.x; i < 8 * kKvRow; i += kThreads) {  // queries (heads >= kGroup: zero)
+    const int hq = i / kKvRow, d = i % kKvRow;
+    s.q[hq][d] = hq < kGroup && d < kHeadDim ? __ldcg(p.q + (size_t)b * kQSize + (kvh * kGroup + hq) * kHeadDim + d)
+                                             : __float2bfloat16_rn(0.f);
+  }
+  for (int i = threadIdx.x; i < 8 * kProbRow; i += kThreads) s.prob[i / kProbRow][i % kProbRow] = __float2bfloat16_rn(0.f);
+  if (threadIdx.x < 8) {
     s.m[threadIdx.x] = -INFINITY;
     s.l[threadIdx.x] = 0.f;
+    s.alpha[threadIdx.x] = 0.f;
   }
-  float acc[kAccPer];
-#pragma unroll
-  for (int j = 0; j < kAccPer; ++j) acc[j] = 0.f;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const float scale = rsqrtf((float)kHeadDim);
-  auto page_of = [&](int pg) {
-    const int page = __ldcg(table + pg);
-    if (page < 0 || page >= p.num_pages) {
-      if (threadIdx.x == 0) report(p, NC_ERR_BAD_PAGE, t.layer, b);
-      return 0;
-    }
-    return page;
-  };
-  if (p0 < p1) load_kv_page(p, s, 0, page_of(p0), kvh);
-  for (int pg = p0; pg < p1; ++pg) {
-    const int stage = (pg - p0) & 1;
-    if (pg + 1 < p1) {
-      load_kv_page(p, s, stage ^ 1, page_of(pg + 1), kvh);
-      asm volatile("cp.async.wait_group 1;");
-    } else {
-      asm volatile("cp.async.wait_group 0;");
-    }
+  for (int j = 0; j < n; ++j) {
+    for (; issued < n && issued < j + p.kv_stages; ++issued)
+      load_kv_page(p, s, issued % p.kv_stages, attn_page_of(p, t, r.p0 + issued), kvh);
+    cp_async_wait_pending(issued - j - 1);
     __syncthreads();
-    const int lo_tok = max(lo - pg * kPage, 0), hi_tok = min(pos - pg * kPage, kPage - 1);
-    attn_page(s, stage, lo_tok, hi_tok, scale, acc);
+    const int stage = j % p.kv_stages, pg = r.p0 + j;
+    const int lo_tok = max(r.lo - pg * kPage, 0), hi_tok = min(r.pos - pg * kPage, kPage - 1);
+    if (lo_tok > 0 || hi_tok < kPage - 1) {  // rows outside the visible range get P = 0: make V finite there
+      for (int i = threadIdx.x; i < kPage * kHeadDim; i += kThreads) {
+        const int o = i / kHeadDim;
+        if (o < lo_tok || o > hi_tok) s.kv[stage].v[o][i % kHeadDim] = __float2bfloat16_rn(0.f);
+      }
+    }
+    attn_scores(s, stage, lo_tok, hi_tok, scale);
+    __syncthreads();
+    attn_softmax(s);
+    __syncthreads();
+    attn_pv(s, stage, acc);
+    __syncthreads();  // the stage is refilled next
   }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const size_t base = ((size_t)(b * kKvHeads + kvh) * kMaxSplits + split);
+  if (warp < kDTiles) {
 #pragma unroll
-  for (int j = 0; j < kAccPer; ++j) {
-    const int idx = threadIdx.x + j * kThreads;
-    if (idx < kGroup * kHeadDim) p.attn_partial[base * kGroup * kHeadDim + idx] = acc[j];
+    for (int e = 0; e < 4; ++e) {  // acc[e]: dim warp*16 + g + 8 (e >> 1), head 2 tq + (e & 1)
+      const int d = warp * 16 + g + 8 * (e >> 1), hq = 2 * tq + (e & 1);
+      if (hq < kGroup) p.attn_partial[base * kGroup * kHeadDim + hq * kHeadDim + d] = acc[e];
+    }
   }
-  __syncthreads();
   if (threadIdx.x < kGroup) {
     p.attn_ml[(base * kGroup + threadIdx.x) * 2] = s.m[threadIdx.x];
     p.attn_ml[(base * kGroup + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
   }
-  if (kVariants && t.arg[5] > 0 && last_to_arrive(p, t.arg[5] - 1, nsplit)) combine_row(p, b, kvh, nsplit);
 }
 
 // ====  7. Task: COMBINE  =======================================================================
 //   Merge the splits of one (row, KV head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M),
-//   written as bf16 into attn_out [8, Hq*D]. Its own task, or run by the last ATTN split to arrive.
+//   written as bf16 into attn_out [8, Hq*D].
 __device__ void combine_row(const Params& p, int b, int kvh, int nsplit) {
   const size_t base = (size_t)(b * kKvHeads + kvh) * kMaxSplits;
   for (int idx = threadIdx.x; idx < kGroup * kHeadDim; idx += kThreads) {
@@ -809,7 +755,7 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char*) {
 
 // ====  8. Task: OPROJ  =========================================================================
 //   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
-//   branch adds into the same rows). Static tiles (OPROJ) or claimed from a per-layer queue (OPROJ_DRAIN).
+//   branch adds into the same rows).
 __device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
   const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
   const int valid[1] = {16};
@@ -818,54 +764,24 @@ __device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
   if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
 }
 
-template <bool kVariants>
-__device__ void oproj_tile_v(const Params& p, int layer, int tile, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  if (!(kVariants && (p.flags & NC_FLAG_DEEP_LOADS))) return oproj_tile(p, layer, tile, s);
-  const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
-  const int valid[1] = {16};
-  mma_tiles_deep<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, smem);
-  const int i = threadIdx.x, r = i >> 3, b = i & 7;
-  if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
-}
-
-template <bool kVariants>
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
-  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) oproj_tile_v<kVariants>(p, t.layer, tile, smem);
-}
-
-__device__ int claim(const Params& p, int head, int* shared_slot);  // section 11
-
-// OPROJ_DRAIN: one per block; tiles claimed at run time, so blocks that leave the MoE up queue early take
-// more of o_proj (every block's copy waits for the whole attention first).
-__device__ void task_oproj_drain(const Params& p, const Task& t, unsigned char* smem) {
-  int* claimed = reinterpret_cast<int*>(&reinterpret_cast<GemmSmem*>(smem)->best[0]);
-  for (int tile = claim(p, t.arg[0], claimed); tile < kHidden / 16; tile = claim(p, t.arg[0], claimed))
-    oproj_tile_v<true>(p, t.layer, tile, smem);
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) oproj_tile(p, t.layer, tile, *reinterpret_cast<GemmSmem*>(smem));
 }
 
 // ====  9. Task: ROUTER  ========================================================================
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
-//   With a ticket (arg2) the last ROUTER task of the layer to finish runs TOPK itself (one hand-off less).
-__device__ void task_topk(const Params& p, const Task& t, unsigned char* smem);  // section 10
-
-template <bool kVariants>
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-    if (kVariants && (p.flags & NC_FLAG_DEEP_LOADS))
-      mma_tiles_deep<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
-    else
-      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
       if (p.trace_router) p.trace_router[((size_t)t.layer * kMaxBatch + b) * kExperts + e] = bf16_round(s.out[i]);
     }
   }
-  if (kVariants && t.arg[2] > 0 && last_to_arrive(p, t.arg[2] - 1, t.arg[3])) task_topk(p, t, smem);  // every tile's logits are in
 }
 
 // ====  10. Task: TOPK  =========================================================================
@@ -971,7 +887,6 @@ __device__ int claim(const Params& p, int head, int* shared_slot) {
 
 __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f + expf(-g))); }
 
-template <bool kVariants>
 __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   int* claimed = reinterpret_cast<int*>(&s.best[0]);
@@ -985,7 +900,7 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
     for (int j = (tile % kTilesPerSlot) * 2; j < (tile % kTilesPerSlot) * 2 + 2; ++j) {
       const bf16* tiles[2] = {w + (size_t)j * 16 * kHidden, w + (size_t)(kExpertWidth + j * 16) * kHidden};
       const int valid[2] = {16, 16};
-      product<2>(kVariants && (p.flags & NC_FLAG_DEEP_MOE), tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
+      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       const int i = threadIdx.x, r = i >> 3, b = i & 7;
       if (i < 128 && b < p.batch_size) {
         const float act = bf16_round(silu_bf16(bf16_round(s.out[i])) * bf16_round(s.out[128 + i]));
@@ -996,7 +911,6 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   }
 }
 
-template <bool kVariants>
 __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   int* claimed = reinterpret_cast<int*>(&s.best[0]);
@@ -1015,8 +929,8 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
     for (int half = 0; half < 2; ++half) {
       const bf16* tiles[2] = {w + (size_t)half * 32 * kExpertWidth, w + (size_t)(half * 32 + 16) * kExpertWidth};
       const int valid[2] = {16, 16};
-      product<2>(kVariants && (p.flags & NC_FLAG_DEEP_MOE), tiles, valid, kExpertWidth,
-                 p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth, kExpertWidth, p.batch_size, smem);
+      mma_tiles<2>(tiles, valid, kExpertWidth,
+                 p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth, kExpertWidth, p.batch_size, s.red, s.out);
       const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
       if (weight != 0.f)
         atomicAdd(p.x + (size_t)b * kHidden + row0 + half * 32 + n * 16 + r, bf16_round(bf16_round(s.out[i]) * weight));
@@ -1027,14 +941,13 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
 // ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================
 //   The dense layer's SwiGLU: up tiles (16 channels of gate and up, K = H) -> dense_act; down tiles
 //   (32 rows of H, K = I_dense) -> x += bf16(result).
-template <bool kVariants>
 __device__ void task_dense_up(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[2] = {layer_ptr(p, t.layer, LP_GATE) + (size_t)tile * 16 * kHidden,
                             layer_ptr(p, t.layer, LP_UP) + (size_t)tile * 16 * kHidden};
     const int valid[2] = {16, 16};
-    product<2>(kVariants && (p.flags & NC_FLAG_DEEP_MOE), tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
+    mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7;
     if (i < 128 && b < p.batch_size) {
       const float act = bf16_round(silu_bf16(bf16_round(s.out[i])) * bf16_round(s.out[128 + i]));
@@ -1059,7 +972,6 @@ __device__ void task_dense_down(const Params& p, const Task& t, unsigned char* s
 //   32-row tiles of the (tied) LM head over the final-normed h: logits[b][v] = logit_scale * dot.
 //   Also keeps, per row, the task's best logit (greedy) and best logit/T + Gumbel noise (sampling
 //   without filters) in lm_partial, so SAMPLE needs no pass over the vocabulary on those paths.
-template <bool kVariants>
 __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
@@ -1072,7 +984,7 @@ __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem
     const bf16* tiles[2] = {p.lm_head + (size_t)min(row0, kVocab - 1) * kHidden,
                             p.lm_head + (size_t)min(row0 + 16, kVocab - 1) * kHidden};
     const int valid[2] = {max(1, min(16, kVocab - row0)), max(1, min(16, kVocab - row0 - 16))};
-    product<2>(kVariants && (p.flags & NC_FLAG_DEEP_MOE), tiles, valid, kHidden, p.h, kHidden, p.batch_size, smem);
+    mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int v = row0 + n * 16 + r;
     if (live && v < kVocab) {
       const float logit = s.out[i] * p.logit_scale;
@@ -1241,12 +1153,6 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     prefetch_l2(reinterpret_cast<const char*>(w) + off);
 }
 
-// Whether the default kernel was handed a task form only the variant kernel runs (tickets, OPROJ_DRAIN).
-__device__ __forceinline__ bool variant_only(const Task& t) {
-  return t.type == TASK_OPROJ_DRAIN || (t.type == TASK_ATTN && t.arg[5] > 0) || (t.type == TASK_ROUTER && t.arg[2] > 0);
-}
-
-template <bool kVariants>
 __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ Task task;
@@ -1256,6 +1162,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     __syncthreads();
     const Task t = task;
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
+    if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
     if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
     if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
       prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
@@ -1264,25 +1171,22 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     if (threadIdx.x == 0) aborted = *(volatile int*)p.status;
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
     __syncthreads();
-    if (!kVariants && variant_only(t)) {
-      if (threadIdx.x == 0) report(p, NC_ERR_BAD_TASK, i, t.type);
-    } else if (!aborted) {
+    if (!aborted) {
       switch (t.type) {
         case TASK_STOP: break;
         case TASK_NORM: task_norm(p, t, smem); break;
-        case TASK_QKV: task_qkv<kVariants>(p, t, smem); break;
-        case TASK_ATTN: task_attn<kVariants>(p, t, smem); break;
+        case TASK_QKV: task_qkv(p, t, smem); break;
+        case TASK_ATTN: task_attn(p, t, smem); break;
         case TASK_COMBINE: task_combine(p, t, smem); break;
-        case TASK_OPROJ: task_oproj<kVariants>(p, t, smem); break;
-        case TASK_ROUTER: task_router<kVariants>(p, t, smem); break;
+        case TASK_OPROJ: task_oproj(p, t, smem); break;
+        case TASK_ROUTER: task_router(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
-        case TASK_MOE_UP: task_moe_up<kVariants>(p, t, smem); break;
-        case TASK_MOE_DOWN: task_moe_down<kVariants>(p, t, smem); break;
-        case TASK_DENSE_UP: task_dense_up<kVariants>(p, t, smem); break;
+        case TASK_MOE_UP: task_moe_up(p, t, smem); break;
+        case TASK_MOE_DOWN: task_moe_down(p, t, smem); break;
+        case TASK_DENSE_UP: task_dense_up(p, t, smem); break;
         case TASK_DENSE_DOWN: task_dense_down(p, t, smem); break;
-        case TASK_LM_HEAD: task_lm_head<kVariants>(p, t, smem); break;
+        case TASK_LM_HEAD: task_lm_head(p, t, smem); break;
         case TASK_SAMPLE: task_sample(p, t, smem); break;
-        case TASK_OPROJ_DRAIN: if (kVariants) task_oproj_drain(p, t, smem); break;
         default: if (threadIdx.x == 0) report(p, NC_ERR_BAD_TASK, i, t.type);
       }
     }
@@ -1291,8 +1195,21 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
   }
 }
 
+// Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.
+constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
+constexpr size_t kBaseSmemBytes = size_max(size_max(sizeof(GemmSmem), sizeof(TopkSmem)),
+                                           size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
+
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";
+
+// Dynamic shared memory of a launch whose attention ring has `stages` stages (1..kStages): the ring is the
+// tail of AttnSmem, so fewer stages leave more of the SM's 256 KB to the L1 cache.
+static int smem_bytes_for(int stages) {
+  const size_t ring = offsetof(AttnSmem, kv) + (size_t)stages * sizeof(KvStage);
+  return (int)(ring > kBaseSmemBytes ? ring : kBaseSmemBytes);
+}
+
 
 static int fail(const char* what, cudaError_t err) {
   snprintf(g_last_error, sizeof(g_last_error), "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
@@ -1313,8 +1230,9 @@ extern "C" int nc_geometry(int* out, int n) {
   for (int i = 0; i < n && i < count; ++i) out[i] = g[i];
   return count;
 }
-// Dynamic shared memory per block, in bytes.
-extern "C" int nc_smem_bytes(void) { return kSmemBytes; }
+// The most stages the attention ring may have (Params.kv_stages) and the shared memory a launch with them takes.
+extern "C" int nc_max_kv_stages(void) { return kStages; }
+extern "C" int nc_smem_bytes(int stages) { return smem_bytes_for(stages); }
 // The last error's message (static storage; valid until the next failing call).
 extern "C" const char* nc_last_error(void) { return g_last_error; }
 
@@ -1332,39 +1250,24 @@ static int init_kernel(const void* kernel, int bytes, const char* name) {
   return 0;
 }
 
-static char g_variant_error[512] = "nc_init was not called";  // why the variant kernel cannot run ("" if it can)
-
-// Prepares both kernels; 0 ok, -1 error (see nc_last_error). Only the default kernel must succeed: a variant
-// kernel that cannot start (its deep products want kSmemVariantBytes) fails its launches, never the default's.
+// Prepares the kernel for its largest launch; 0 ok, -1 error (see nc_last_error).
 extern "C" int nc_init(void) {
-  if (init_kernel((const void*)nc_decode_kernel<false>, kSmemBytes, "default") != 0) return -1;
-  if (init_kernel((const void*)nc_decode_kernel<true>, kSmemVariantBytes, "variant") != 0) {
-    snprintf(g_variant_error, sizeof(g_variant_error), "variant kernel (%d bytes of shared memory): %s",
-             kSmemVariantBytes, g_last_error);
-    cudaGetLastError();  // clear the (non-sticky) error state: the default path starts clean
-  } else {
-    g_variant_error[0] = 0;
-  }
-  return 0;
+  return init_kernel((const void*)nc_decode_kernel, smem_bytes_for(kStages), "decode");
 }
 
 // Zeroes the counters and launches one decode step on `stream` (a cudaStream_t); returns at once.
 // 0 ok, -1 error. Device-side failures (timeouts, bad pages or tokens) land in p->status.
 extern "C" int nc_decode_step(const Params* p, void* stream) {
-  if (p == nullptr || p->num_blocks <= 0 || p->batch_size <= 0 || p->batch_size > kMaxBatch) {
-    snprintf(g_last_error, sizeof(g_last_error), "nc_decode_step: bad params (num_blocks %d, batch_size %d)",
-             p ? p->num_blocks : -1, p ? p->batch_size : -1);
+  if (p == nullptr || p->num_blocks <= 0 || p->batch_size <= 0 || p->batch_size > kMaxBatch || p->kv_stages < 1 ||
+      p->kv_stages > kStages) {
+    snprintf(g_last_error, sizeof(g_last_error), "nc_decode_step: bad params (num_blocks %d, batch_size %d, kv_stages %d of 1..%d)",
+             p ? p->num_blocks : -1, p ? p->batch_size : -1, p ? p->kv_stages : -1, kStages);
     return -1;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(p->counters, 0, sizeof(unsigned) * (size_t)p->num_counters, s);
   if (err != cudaSuccess) return fail("cudaMemsetAsync(counters)", err);
-  if ((p->flags & NC_FLAG_VARIANTS) && g_variant_error[0]) {
-    snprintf(g_last_error, sizeof(g_last_error), "%s", g_variant_error);
-    return -1;
-  }
-  if (p->flags & NC_FLAG_VARIANTS) nc_decode_kernel<true><<<p->num_blocks, kThreads, kSmemVariantBytes, s>>>(*p);
-  else nc_decode_kernel<false><<<p->num_blocks, kThreads, kSmemBytes, s>>>(*p);
+  nc_decode_kernel<<<p->num_blocks, kThreads, smem_bytes_for(p->kv_stages), s>>>(*p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return fail("nc_decode_kernel launch", err);
   return 0;

@@ -39,7 +39,6 @@ class TaskType(IntEnum):  # mirrors TaskType in csrc/megakernel.cu
     DENSE_DOWN = 11
     LM_HEAD = 12
     SAMPLE = 13
-    OPROJ_DRAIN = 14  # variant kernel only (Params.flags VARIANTS)
 
 
 def make_task(kind: TaskType, layer: int = 0, args: tuple[int, ...] = (), waits: tuple[tuple[int, int], ...] = (),
@@ -87,8 +86,9 @@ def place_waves(waves: list[list[list[int]] | tuple[str, list[int]]], num_blocks
 
 
 def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int) -> tuple[int, ...]:
-    """KV splits per layer: enough (row, head, split) tasks to cover the SMs, never more splits than pages."""
-    wanted = min(MAX_SPLITS, max(1, math.ceil(num_blocks / (batch * config.num_key_value_heads))))
+    """KV splits per layer: as many (row, head, split) tasks as fit on the SMs in one round (a second round
+    would double the attention phase for a few blocks), never more splits than pages."""
+    wanted = min(MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
     splits = []
     for layer in range(config.num_hidden_layers):
         window = config.window(layer)
@@ -98,16 +98,12 @@ def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: 
 
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                   order: str = "attention-first", qkv_tiles: int = 1, fuse_combine: bool = False,
-                   oproj_drain: bool = False, topk_ticket: bool = False) -> Schedule:
+                   order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
-    order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row tiles per QKV task (2: the
-    kernel multiplies them together, twice the loads in flight). The rest need the variant kernel (flag VARIANTS):
-    fuse_combine: no COMBINE tasks, the last ATTN split of a (row, KV head) to arrive merges (ticket: its attn
-    counter), and o_proj waits for every split; oproj_drain: o_proj from a claimed queue, one OPROJ_DRAIN per
-    block in the OPROJ wave's place; topk_ticket: no TOPK task, the last ROUTER task to finish runs it, the
-    drains wait for every ROUTER task."""
+    order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
+    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight).
+    """
     assert order in WAVE_ORDERS, order
     c = config
     counters = _Counters()
@@ -134,11 +130,6 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
         combine = [make_task(TaskType.COMBINE, layer, (b, g, splits[layer]), ((attn_done + b * kvh + g, splits[layer]),),
                              combine_done) for b in range(batch) for g in range(kvh)]
         combine_target = batch * kvh
-        if fuse_combine:  # every split signals combine_done once it (and, if last, its merge) is done
-            attn = [make_task(TaskType.ATTN, layer, (b, g, s, splits[layer], window, attn_done + b * kvh + g + 1),
-                              ((qkv_done + g, per_group[g]),), combine_done)
-                    for b in range(batch) for s in range(splits[layer]) for g in range(kvh)]
-            combine, combine_target = [], batch * kvh * splits[layer]
         if c.is_dense(layer):
             up_done = counters.alloc()
             up_tiles = c.dense_intermediate_size // 16
@@ -151,27 +142,16 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
             router_done, topk_done, up_head, down_head = (counters.alloc() for _ in range(4))
             slot_done = counters.alloc(c.num_experts)
             router_tiles = math.ceil(c.num_experts / 16)
-            routed_target = 1
-            if topk_ticket:  # ticket: router_done; every ROUTER task signals topk_done after its (last: TOPK) work
-                waves.append([make_task(TaskType.ROUTER, layer, (t, 1, router_done + 1, router_tiles), ((norm_done, batch),),
-                                        topk_done) for t in range(router_tiles)])
-                routed_target = router_tiles
-            else:
-                waves.append([make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
-                              for t in range(router_tiles)])
-                waves.append([make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])
-            up = ("each", make_task(TaskType.MOE_UP, layer, (up_head, slot_done), ((topk_done, routed_target),)))
-            down = ("each", make_task(TaskType.MOE_DOWN, layer, (down_head, slot_done), ((topk_done, routed_target),),
-                                      mlp_done))
+            waves.append([make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
+                          for t in range(router_tiles)])
+            waves.append([make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])
+            up = ("each", make_task(TaskType.MOE_UP, layer, (up_head, slot_done), ((topk_done, 1),)))
+            down = ("each", make_task(TaskType.MOE_DOWN, layer, (down_head, slot_done), ((topk_done, 1),), mlp_done))
             mlp_target = num_blocks
         oproj_tiles = c.hidden_size // 16
         oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, combine_target),), oproj_done)
                  for t in range(oproj_tiles)]
         oproj_target = len(oproj)
-        if oproj_drain:
-            oproj = ("each", make_task(TaskType.OPROJ_DRAIN, layer, (counters.alloc(),), ((combine_done, combine_target),),
-                                       oproj_done))
-            oproj_target = num_blocks
         if c.is_dense(layer):
             waves.append(oproj)
         else:
@@ -216,10 +196,24 @@ def summarize_profile(tasks: torch.Tensor, task_start: torch.Tensor, times: torc
                                             busy_us=round(float((done - met)[mask].sum()) / 1e3, 1))
     layer_end: dict[int, float] = {}
     for i, (kind, layer) in enumerate(zip(kinds, layers)):
-        if kind in (TaskType.OPROJ, TaskType.OPROJ_DRAIN):
+        if kind == TaskType.OPROJ:
             layer_end[layer] = max(layer_end.get(layer, 0.0), float(done[i] - origin) / 1e3)
     ends = [layer_end[k] for k in sorted(layer_end)]
     layer_us = [round(b - a, 1) for a, b in zip([0.0] + ends, ends)]
     blocks = task_start.numel() - 1
     return dict(span_us=round(span_us, 1), by_type=by_type, layer_us=layer_us,
-                busy_fraction=round(float((done - met).sum()) / 1e3 / (span_us * blocks), 3))
+                busy_fraction=round(float((done - met).sum()) / 1e3 / (span_us * blocks), 3),
+                timelines={layer: layer_timeline(kinds, layers, met, done, layer) for layer in (24, 25) if layer in layer_end})
+
+
+def layer_timeline(kinds: list[int], layers: list[int], met: torch.Tensor, done: torch.Tensor, layer: int) -> str:
+    """One layer's critical path: per task type, when its first task's dependencies were met and when its
+    last task finished, in us from the layer's first NORM start; e.g. "NORM 0.0-1.1 QKV 1.3-8.2 ..."."""
+    picked = [i for i, (k, l) in enumerate(zip(kinds, layers)) if l == layer and k not in (TaskType.LM_HEAD, TaskType.SAMPLE)]
+    origin = min(float(met[i]) for i in picked if kinds[i] == TaskType.NORM)
+    parts = []
+    for kind in sorted({kinds[i] for i in picked}):
+        mine = [i for i in picked if kinds[i] == kind]
+        first, last = min(float(met[i]) for i in mine), max(float(done[i]) for i in mine)
+        parts.append(f"{TaskType(kind).name} {(first - origin) / 1e3:.1f}-{(last - origin) / 1e3:.1f}")
+    return " ".join(parts)

@@ -4,10 +4,9 @@ query groups of 8, 32 attention splits over thousands of tokens, 128 experts top
 reductions, a 262144-token LM head): each test launches a small hand-built task list (counters only where
 tasks depend on each other) on fresh random inputs and compares the outputs. Products use bf16 operands
 with fp32 accumulation, so they must match an fp32 reference on the same bf16 inputs to a relative error
-||got - ref|| / ||ref|| below REL_TOL. $NC_VARIANT (megakernel.VARIANTS) sets the kernel's flags for every
-test; the variant kernel's own task forms (ATTN merging by ticket, OPROJ_DRAIN, ROUTER running TOPK by ticket,
-the deep single-tile product of DEEP_LOADS, which must equal the default product bit for bit) are tested
-whatever the variant."""
+||got - ref|| / ||ref|| below REL_TOL. $NC_VARIANT (megakernel.VARIANTS) sets the kernel's flags and the
+attention ring's stages for every test; the attention test also runs the ring at 1 stage without the early
+copies and at its largest size."""
 
 from __future__ import annotations
 
@@ -63,14 +62,16 @@ def run(kernel, waves: list, batch: int = 8, num_counters: int = 8, num_lm: int 
 
 
 @contextlib.contextmanager
-def extra_flags(kernel, flags: int):
-    """Params.flags | flags while active (the variant kernel's task forms need FLAG_VARIANTS)."""
-    before = kernel.params.flags
-    kernel.params.flags = before | flags
+def params_set(kernel, **values):
+    """Params fields set to `values` while active (flags, kv_stages)."""
+    before = {name: getattr(kernel.params, name) for name in values}
+    for name, value in values.items():
+        setattr(kernel.params, name, value)
     try:
         yield
     finally:
-        kernel.params.flags = before
+        for name, value in before.items():
+            setattr(kernel.params, name, value)
 
 
 def randn_bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -98,11 +99,9 @@ def test_norm_embeds_rounds_and_normalises(geometry: str) -> None:
         assert rel_err(kernel.h, norm(x.to(torch.bfloat16), weight, config)) < REL_TOL
 
 
-@pytest.mark.parametrize("deep", [False, True], ids=["product", "deep-product"])
 @pytest.mark.parametrize("layer,tiles_per_task", [(1, 1), (4, 1), (1, 2), (4, 3)])  # sliding+RoPE; full, NoPE
-def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int, deep: bool) -> None:
-    """deep: DEEP_LOADS on the variant kernel (single tiles go through mma_tiles_deep)."""
-    from northcode.engine.megakernel import FLAG_DEEP_LOADS, FLAG_VARIANTS, TaskType, make_task
+def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int) -> None:
+    from northcode.engine.megakernel import TaskType, make_task
     from northcode.engine.model import apply_rope, project_qkv, rope_cos_sin
 
     config, weights, model, cache, kernel = env(geometry)
@@ -110,9 +109,8 @@ def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int, d
     kernel.h.copy_(h)
     tiles = (config.q_size + 2 * config.kv_size) // 16
     kernel.q.zero_()
-    with extra_flags(kernel, FLAG_VARIANTS | FLAG_DEEP_LOADS if deep else 0):
-        run(kernel, [[make_task(TaskType.QKV, layer, (t, min(tiles_per_task, tiles - t), int(config.uses_rope(layer))))
-                      for t in range(0, tiles, tiles_per_task)]])
+    run(kernel, [[make_task(TaskType.QKV, layer, (t, min(tiles_per_task, tiles - t), int(config.uses_rope(layer))))
+                  for t in range(0, tiles, tiles_per_task)]])
     q, k, v = project_qkv(h, model.layers[layer], config)  # [8, heads, D]
     if config.uses_rope(layer):
         cos, sin = rope_cos_sin(torch.tensor(GEOMETRIES[geometry][2], device="cuda"), model.inv_freq, torch.bfloat16)
@@ -124,11 +122,12 @@ def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int, d
         assert rel_err(cache.v_pool[page, pos % 64], v[b]) < REL_TOL
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["combine-task", "ticket-merge"])
+@pytest.mark.parametrize("ring", ["variant", "one-stage", "largest"])
 @pytest.mark.parametrize("layer,splits", [(1, 3), (4, 1), (4, 4), (1, 32), (4, 32)])  # 32: NC_MAX_SPLITS
-def test_split_attention_and_combine(geometry: str, layer: int, splits: int, fused: bool) -> None:
-    """fused: no COMBINE task; the last split of each (row, KV head) to arrive merges (variant kernel)."""
-    from northcode.engine.megakernel import FLAG_VARIANTS, TaskType, make_task
+def test_split_attention_and_combine(geometry: str, layer: int, splits: int, ring: str) -> None:
+    """ring: the KV ring as $NC_VARIANT sets it; one stage with no page copied before the wait; the most
+    stages the build allows (every page of a split in flight at once up to 5 or 8 pages)."""
+    from northcode.engine.megakernel import FLAG_NO_KV_PRELOAD, TaskType, make_task
     from northcode.engine.model import attention
 
     config, weights, model, cache, kernel = env(geometry)
@@ -139,13 +138,10 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, fus
             for b in range(8) for g in range(kvh) for s in range(splits)]
     combine = [make_task(TaskType.COMBINE, layer, (b, g, splits), ((b * kvh + g, splits),))
                for b in range(8) for g in range(kvh)]
-    if fused:
-        kernel.attn_out.zero_()
-        attn = [make_task(TaskType.ATTN, layer, (b, g, s, splits, window, b * kvh + g + 1)) for b in range(8)
-                for g in range(kvh) for s in range(splits)]
-        with extra_flags(kernel, FLAG_VARIANTS):
-            run(kernel, [attn], num_counters=8 * kvh)
-    else:
+    kernel.attn_out.zero_()
+    settings = {"variant": {}, "one-stage": dict(kv_stages=1, flags=kernel.params.flags | FLAG_NO_KV_PRELOAD),
+                "largest": dict(kv_stages=kernel.lib.nc_max_kv_stages())}[ring]
+    with params_set(kernel, **settings):
         run(kernel, [attn, combine], num_counters=8 * kvh)
     for b, pos in enumerate(GEOMETRIES[geometry][2]):
         first = max(0, pos - window + 1) if window else 0
@@ -157,39 +153,25 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, fus
         assert rel_err(kernel.attn_out[b], ref) < REL_TOL, f"row {b} (position {pos})"
 
 
-@pytest.mark.parametrize("form", ["static", "deep", "drain", "drain-deep"])
-def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
-    """static: the default's OPROJ tiles; deep: the same tiles through mma_tiles_deep (DEEP_LOADS), equal to
-    static bit for bit; drain, drain-deep: OPROJ_DRAIN on every block, tiles claimed at run time (variant kernel)."""
-    from northcode.engine.megakernel import FLAG_DEEP_LOADS, FLAG_VARIANTS, TaskType, make_task
+def test_oproj_adds_into_the_residual(geometry: str) -> None:
+    from northcode.engine.megakernel import TaskType, make_task
 
     config, weights, model, cache, kernel = env(geometry)
     attn_out, x = randn_bf16(8, config.q_size), torch.randn(8, config.hidden_size, device="cuda")
     kernel.attn_out.copy_(attn_out)
     kernel.x.copy_(x)
     tiles = config.hidden_size // 16
-    static = [[make_task(TaskType.OPROJ, 2, (t, 1)) for t in range(tiles)]]
-    run(kernel, static)
-    by_default = kernel.x.clone()
-    if form != "static":
-        kernel.x.copy_(x)
-        waves = static if form == "deep" else [("each", make_task(TaskType.OPROJ_DRAIN, 2, (0,)))]
-        with extra_flags(kernel, FLAG_VARIANTS | (FLAG_DEEP_LOADS if form.endswith("deep") else 0)):
-            run(kernel, waves)
-        assert torch.equal(kernel.x, by_default), "the variant's o_proj differs from the default's"
+    run(kernel, [[make_task(TaskType.OPROJ, 2, (t, 1)) for t in range(tiles)]])
     ref = F.linear(attn_out.float(), model.layers[2].o_proj.float())
     assert rel_err(kernel.x - x, ref) < REL_TOL
 
 
-@pytest.mark.parametrize("form", ["topk-task", "topk-by-last-router", "ticket-deep"])
-def test_router_topk_and_routed_experts(geometry: str, form: str) -> None:
+def test_router_topk_and_routed_experts(geometry: str) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
-    and the routed experts' output match the reference computed with the kernel's choice. ticket: no TOPK
-    task, the last ROUTER task to finish runs it (variant kernel); ticket-deep: and every product through
-    mma_tiles_deep (DEEP_LOADS: router; DEEP_MOE: the experts' up and down)."""
+    and the routed experts' output match the reference computed with the kernel's choice."""
     from northcode.bench.decode_oracle import route_weights
-    from northcode.engine.megakernel import FLAG_DEEP_LOADS, FLAG_DEEP_MOE, FLAG_VARIANTS, TaskType, make_task
+    from northcode.engine.megakernel import TaskType, make_task
     from northcode.engine.model import run_experts
 
     config, weights, model, cache, kernel = env(geometry)
@@ -203,17 +185,10 @@ def test_router_topk_and_routed_experts(geometry: str, form: str) -> None:
              [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
              ("each", make_task(TaskType.MOE_UP, layer, (2, 4), ((1, 1),))),
              ("each", make_task(TaskType.MOE_DOWN, layer, (3, 4), ((1, 1),)))]
-    ticket = form != "topk-task"
-    if ticket:  # counter 0 is the ticket; every ROUTER task signals 1 ("topk done") after its work
-        waves = [[make_task(TaskType.ROUTER, layer, (t, 1, 1, router_tiles), (), 1) for t in range(router_tiles)],
-                 ("each", make_task(TaskType.MOE_UP, layer, (2, 4), ((1, router_tiles),))),
-                 ("each", make_task(TaskType.MOE_DOWN, layer, (3, 4), ((1, router_tiles),)))]
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.router_logits.zero_()
-    flags = (FLAG_VARIANTS if ticket else 0) | (FLAG_DEEP_LOADS | FLAG_DEEP_MOE if form == "ticket-deep" else 0)
-    with extra_flags(kernel, flags):
-        run(kernel, waves, num_counters=4 + config.num_experts)
+    run(kernel, waves, num_counters=4 + config.num_experts)
     lw = model.layers[layer]
     logits_ref = F.linear(h, lw.router)  # bf16, as model.route
     assert rel_err(kernel.router_logits, logits_ref.float()) < REL_TOL
@@ -238,10 +213,8 @@ def test_router_topk_and_routed_experts(geometry: str, form: str) -> None:
     assert rel_err(kernel.x - x, ref) < 2 * REL_TOL
 
 
-@pytest.mark.parametrize("deep", [False, True], ids=["product", "deep-product"])
-def test_dense_mlp(geometry: str, deep: bool) -> None:
-    """deep: the up tiles through mma_tiles_deep (DEEP_MOE, variant kernel), equal to the default bit for bit."""
-    from northcode.engine.megakernel import FLAG_DEEP_MOE, FLAG_VARIANTS, TaskType, make_task
+def test_dense_mlp(geometry: str) -> None:
+    from northcode.engine.megakernel import TaskType, make_task
     from northcode.engine.model import swiglu
 
     config, weights, model, cache, kernel = env(geometry)
@@ -254,18 +227,10 @@ def test_dense_mlp(geometry: str, deep: bool) -> None:
     run(kernel, waves)
     lw = model.layers[0]
     assert rel_err(kernel.x - x, swiglu(h, lw.gate_proj, lw.up_proj, lw.down_proj)) < 2 * REL_TOL
-    if deep:
-        by_default = kernel.x.clone()
-        kernel.x.copy_(x)
-        with extra_flags(kernel, FLAG_VARIANTS | FLAG_DEEP_MOE):
-            run(kernel, waves)
-        assert torch.equal(kernel.x, by_default), "the deep products differ from the default's"
 
 
-@pytest.mark.parametrize("deep", [False, True], ids=["product", "deep-product"])
-def test_lm_head_and_greedy_sample(geometry: str, deep: bool) -> None:
-    """deep: the LM head's products through mma_tiles_deep (DEEP_MOE, variant kernel), equal bit for bit."""
-    from northcode.engine.megakernel import FLAG_DEEP_MOE, FLAG_VARIANTS, RowSpec, TaskType, make_task
+def test_lm_head_and_greedy_sample(geometry: str) -> None:
+    from northcode.engine.megakernel import RowSpec, TaskType, make_task
 
     config, weights, model, cache, kernel = env(geometry)
     h = randn_bf16(8, config.hidden_size)
@@ -279,11 +244,4 @@ def test_lm_head_and_greedy_sample(geometry: str, deep: bool) -> None:
     ref = F.linear(h.float(), model.lm_head.float()) * config.logit_scale
     assert rel_err(kernel.logits, ref) < REL_TOL
     assert kernel.tokens.tolist() == kernel.logits.argmax(-1).tolist()
-    if deep:
-        by_default = kernel.logits.clone()
-        kernel.logits.zero_()
-        with extra_flags(kernel, FLAG_VARIANTS | FLAG_DEEP_MOE):
-            run(kernel, [lm, sample], num_lm=len(starts))
-        assert torch.equal(kernel.logits, by_default), "the deep LM head differs from the default's"
-        assert kernel.tokens.tolist() == kernel.logits.argmax(-1).tolist()
     kernel.set_rows([RowSpec(position=length, seq=b) for b, length in enumerate(GEOMETRIES[geometry][2])])
