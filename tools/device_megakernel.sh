@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One megakernel device call (correctness of the default kernel, then timing), under 7 minutes on the H200:
 #     run(command="bash tools/device_megakernel.sh", timeout_s=500)
-# Env: BENCH_VARIANTS (megakernel variants timed against the default, default "no-kv-preload tail-early"),
+# Env: BENCH_VARIANTS (megakernel variants timed against the default, as megakernel/<name>),
 #      FULL49 (1: also the 49-layer teacher-forced test at B = 1 and the 32K-context test), BENCH_TORCH (1: torch too).
 # Logs in $OUT/<phase>.log, figures in $OUT/report.jsonl; a short table is printed last.
 set -u
@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"
 export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NC_REPORT="$OUT/report.jsonl" NORTHCODE_REQUIRE_GPU=1
 export NC_TEST_STEPS=${NC_TEST_STEPS:-16} NC_TINY_STEPS=${NC_TINY_STEPS:-32} PYTHONUNBUFFERED=1 NC_VARIANTS=default
-BENCH_VARIANTS=${BENCH_VARIANTS:-"no-kv-preload tail-early"}
+BENCH_VARIANTS=${BENCH_VARIANTS:-"megakernel/kv-stages-2 megakernel/kv-stages-5 megakernel/attention-first"}
 : > "$OUT/phases.txt"
 phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, record rc and seconds
   local name=$1 limit=$2 t0=$SECONDS rc
@@ -29,11 +29,10 @@ with ThreadPoolExecutor(2) as pool:
 '
 D=tests/gpu/test_megakernel_decode.py
 T=tests/gpu/test_megakernel_tasks.py
-DEFAULT_FORMS="not deep and not ticket and not drain and not by-last"
 phase build 60 python3 -c "$BUILD"
-phase tiny 100 python3 -m pytest -q -rf -k "not full5 and ($DEFAULT_FORMS)" $T tests/gpu/test_megakernel_kv_writes.py \
+phase tiny 100 python3 -m pytest -q -rf -k "not full5" $T tests/gpu/test_megakernel_kv_writes.py \
   tests/gpu/test_megakernel_sampling.py "$D::test_tiny_teacher_forced" "$D::test_free_running_greedy_agreement[tiny-4]"
-phase tasks5 60 python3 -m pytest -q -rf -k "full5 and ($DEFAULT_FORMS)" $T
+phase tasks5 60 python3 -m pytest -q -rf -k full5 $T
 FULL_TESTS=("$D::test_full_shapes_shallow_teacher_forced")
 [ "${FULL49:-0}" = 1 ] && FULL_TESTS+=("$D::test_full_teacher_forced[1]" "$D::test_full_32k_context")
 phase full 150 python3 -m pytest -q -rf "${FULL_TESTS[@]}"
