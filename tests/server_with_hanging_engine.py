@@ -1,11 +1,11 @@
-"""`northcode serve` (the real command) whose engine's decode hangs for good from its third call, on the CPU.
+"""`northcode serve` (the real command) whose engine's decode step hangs for good from its third one, on the CPU.
 
 Run as `python -m tests.server_with_hanging_engine SERVE-OPTIONS` from the repository root (the fatal-error
 test in test_server_openai.py). Engine.from_model_dir is replaced so the engine it builds has a backend
-whose decode blocks forever once HANG_AT decode calls were made (the step thread really stalls, as on a
-lost GPU), and a watchdog with short limits: the step is given up after STEP_TIMEOUT_S, the device is
-declared lost HANG_GRACE_S later, and serve must report it and exit 1 although its step thread never
-returns.
+whose decode step (decode_logits: pipelined or not, the engine runs the model there) blocks forever once
+HANG_AT steps were made (the step thread really stalls, as on a lost GPU), and a watchdog with short
+limits: the step is given up after STEP_TIMEOUT_S, the device is declared lost HANG_GRACE_S later, and
+serve must report it and exit 1 although its step thread never returns.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from northcode.engine.tokenizer import Tokenizer
 from northcode.engine.torch_backend import TorchBackend
 from northcode.paths import model_display_name
 
-HANG_AT = 3  # decode calls of the whole process; the first two run (they warm the step's shape up)
+HANG_AT = 3  # decode steps of the whole process; the first two run (they warm the step's shape up)
 STEP_TIMEOUT_S = 0.5
 HANG_GRACE_S = 0.5
 _calls = 0
@@ -31,12 +31,12 @@ _never = threading.Event()  # never set: the hung decode waits on it until the p
 
 
 class HangingBackend(TorchBackend):
-    def decode(self, batch):
+    def decode_logits(self, batch, token_ids):
         global _calls
         _calls += 1
         if _calls >= HANG_AT:
             _never.wait()
-        return super().decode(batch)
+        return super().decode_logits(batch, token_ids)
 
 
 def hanging_backend(config, weights, settings, num_pages, max_pages_per_seq):

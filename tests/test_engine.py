@@ -222,13 +222,14 @@ def test_a_prompt_sharing_only_the_start_of_a_long_one_finds_that_start(engine):
 
 def test_a_failed_step_ends_the_running_requests_with_the_error_and_the_engine_goes_on(tiny_checkpoint):
     engine = make_engine(tiny_checkpoint)
-    real_decode = engine.backend.decode
+    backend = engine.backend
+    real_step = backend.decode_logits  # the model step of decode and launch_decode (what the engine uses)
 
-    def broken_decode(batch):
-        engine.backend.decode = real_decode  # fail once
+    def broken_step(batch, token_ids):
+        backend.decode_logits = real_step  # fail once
         raise RuntimeError("device lost")
 
-    engine.backend.decode = broken_decode
+    backend.decode_logits = broken_step
     try:
         failed = run(engine, [(prompt_of(10, salt=15), greedy(5))])[0]
         assert failed[-1].finish_reason == "error" and "device lost" in failed[-1].error

@@ -1,7 +1,8 @@
-"""The step watchdog on the tiny checkpoint: a decode step that really blocks (a TorchBackend whose decode
-waits on an event) ends its request with a clear error, the backend is rebuilt, waiting requests run after
-the restart with the tokens they would have produced alone, and new requests are served; a step that never
-comes back is a fatal error reported to every request, to stats() and to the listeners."""
+"""The step watchdog on the tiny checkpoint: a decode step that really blocks (a TorchBackend whose
+decode_logits, the model step of both decode paths, waits on an event) ends its request with a clear error,
+the backend is rebuilt, waiting requests run after the restart with the tokens they would have produced
+alone, and new requests are served, pipelined (launch_decode) or not (requests that want logprobs); a step
+that never comes back is a fatal error reported to every request, to stats() and to the listeners."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch
 
 from northcode.engine.checkpoint import load_checkpoint
 from northcode.engine.engine import Engine
-from northcode.engine.pipeline import SynchronousLaunch
 from northcode.engine.settings import EngineSettings
 from northcode.engine.tokenizer import Tokenizer
 from northcode.engine.torch_backend import TorchBackend
@@ -23,11 +23,10 @@ from tests.test_engine import greedy, make_engine, prompt_of, run, tokens_of
 
 
 class BlockingFactory:
-    """Builds TorchBackends; the first one's decode call number `block_at` waits until `release` is set."""
+    """Builds TorchBackends; the first one's decode step number `block_at` waits until `release` is set."""
 
-    def __init__(self, block_at: int, pipelined: bool = False) -> None:
+    def __init__(self, block_at: int) -> None:
         self.block_at, self.release, self.blocked = block_at, threading.Event(), threading.Event()
-        self.pipelined = pipelined  # give the backends launch_decode (pipeline.py)
         self.built = 0
 
     def __call__(self, config, weights, settings, num_pages, max_pages_per_seq):
@@ -37,18 +36,15 @@ class BlockingFactory:
         class BlockingBackend(TorchBackend):
             calls = 0
 
-            def decode(self, batch):
+            def decode_logits(self, batch, token_ids):
                 BlockingBackend.calls += 1
                 if first and BlockingBackend.calls == factory.block_at:
                     factory.blocked.set()
                     factory.release.wait(30)  # a real stall of the step thread, not an exception
-                return super().decode(batch)
+                return super().decode_logits(batch, token_ids)
 
-        backend = BlockingBackend(config, weights, num_pages, settings.page_size, settings.max_batch,
-                                  max_pages_per_seq, cuda_graphs=False)
-        if self.pipelined:
-            backend.launch_decode = SynchronousLaunch(backend)
-        return backend
+        return BlockingBackend(config, weights, num_pages, settings.page_size, settings.max_batch,
+                               max_pages_per_seq, cuda_graphs=False)
 
 
 def watched_engine(checkpoint, factory, **settings) -> Engine:
@@ -72,18 +68,19 @@ def alone(tiny_checkpoint):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_hung_step_ends_its_request_restarts_the_backend_and_keeps_the_waiting_ones(tiny_checkpoint, alone,
                                                                                      pipelined):
-    factory = BlockingFactory(block_at=3, pipelined=pipelined)
+    factory = BlockingFactory(block_at=3)
     engine = watched_engine(tiny_checkpoint, factory)
+    params = greedy(8) if pipelined else greedy(8, logprobs=0)  # logprobs need the host: decode, step by step
 
     async def main():
-        hung = engine.generate("hung", prompt_of(12, salt=20), greedy(8))
-        waiting = engine.generate("waiting", prompt_of(12, salt=21), greedy(8))  # max_batch 1: it waits
+        hung = engine.generate("hung", prompt_of(12, salt=20), params)
+        waiting = engine.generate("waiting", prompt_of(12, salt=21), params)  # max_batch 1: it waits
         hung_outputs = [out async for out in hung]  # ends while the step thread is still blocked
         assert factory.blocked.is_set() and not factory.release.is_set()
         assert engine.stats()["status"] == "restarting"
         factory.release.set()  # the stalled step returns; its results are dropped, the backend rebuilt
         waiting_outputs = [out async for out in waiting]
-        after = [out async for out in engine.generate("after", prompt_of(12, salt=22), greedy(8))]
+        after = [out async for out in engine.generate("after", prompt_of(12, salt=22), params)]
         return hung_outputs, waiting_outputs, after
 
     try:
@@ -143,7 +140,7 @@ def test_a_failed_step_restarts_the_backend_and_a_failed_restart_is_fatal(tiny_c
         return TorchBackend(config, weights, num_pages, settings.page_size, settings.max_batch, max_pages_per_seq)
 
     engine = watched_engine(tiny_checkpoint, factory, step_timeout_s=10.0)
-    engine.backend.decode = lambda batch: (_ for _ in ()).throw(RuntimeError("device-side assert"))
+    engine.backend.decode_logits = lambda batch, token_ids: (_ for _ in ()).throw(RuntimeError("device-side assert"))
     try:
         failed = run(engine, [(prompt_of(12, salt=20), greedy(4))])[0]
         assert failed[-1].finish_reason == "error" and "device-side assert" in failed[-1].error

@@ -77,7 +77,7 @@ def test_place_waves_round_robin_and_each() -> None:
 def test_backend_refuses_a_machine_without_hopper() -> None:
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("this machine has a Hopper GPU")
-    from northcode.engine.megakernel import MegakernelBackend
+    from northcode.engine.megakernel_backend import MegakernelBackend
 
     config = preset_config("tiny", 1003)
     with pytest.raises(ValueError, match="backend = 'megakernel'.*(Hopper|page_size)"):

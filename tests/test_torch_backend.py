@@ -154,12 +154,13 @@ def test_decode_step_of_the_full_layer_plan_launches_few_kernels_and_never_syncs
 
     config = structural_config()
     per_kind = Counter(layer_kind(config, i) for i in range(config.num_hidden_layers))
-    for batch, most in ((1, 1150), (4, 1250)):
+    # batch > 1: two more per MoE layer for the combine without a batched GEMM (routed_experts.add_weighted)
+    for batch, most, per_sliding_layer in ((1, 1150, 24), (4, 1300, 26)):
         counter = count_decode(batch=batch, context=300)
         assert not counter.syncs
         assert len(counter.kernels) <= most, f"batch {batch}: {len(counter.kernels)} kernels"
         by_part = Counter(part for _, part in counter.kernels)
-        assert by_part["layer.sliding_rope_moe"] <= 24 * per_kind["sliding_rope_moe"]
+        assert by_part["layer.sliding_rope_moe"] <= per_sliding_layer * per_kind["sliding_rope_moe"]
         assert by_part["prepare"] <= 80
 
 
@@ -312,18 +313,57 @@ def test_launch_decode_refuses_what_it_cannot_run(tiny):
         backend.launch_decode(launch_batch(kv, [0], [-1], [5], [row]), [0])
 
 
-def test_a_replaced_decode_is_not_launched_past(tiny):
-    """The engine pipelines only when launch_decode exists; launching would bypass a replaced decode."""
+def test_decode_and_launch_decode_both_run_the_model_through_decode_logits(tiny):
+    """launch_decode is a method the engine always finds; a fault injected into decode_logits (what the
+    engine's fault tests replace) reaches the pipelined path and the step-by-step one alike."""
     config, weights, _ = tiny
+    kv, backend = paged(config, weights)
+    prefill(kv, backend, 0, [5, 6, 7, 8], 0, 3)
+    row = SamplingRow(SamplingParams(temperature=0.0), 0, [5, 6, 7, 8], [])
+    calls = []
 
-    class Replaced(TorchBackend):
-        def decode(self, batch):
-            return super().decode(batch)
+    def failing(batch, token_ids):
+        calls.append(token_ids.tolist())
+        raise RuntimeError("injected")
 
-    backend = TorchBackend(config, weights, 8, PAGE, 1, 4)
-    assert callable(backend.launch_decode)
-    assert Replaced(config, weights, 8, PAGE, 1, 4).launch_decode is None
-    backend.decode = lambda batch: None
-    assert backend.launch_decode is None
-    backend.launch_decode = launch = object()  # what a test sets is what the engine sees
-    assert backend.launch_decode is launch
+    backend.decode_logits = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.launch_decode(launch_batch(kv, [0], [8], [3], [row]), [-1])
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.decode(launch_batch(kv, [0], [8], [3], [row]))
+    assert calls == [[8], [8]]
+
+
+def test_a_bucket_whose_capture_fails_decodes_eagerly_and_says_why(tiny, monkeypatch):
+    """The capture is what fails (the warm-up steps ran): the bucket is recorded with the error and runs the
+    same step eagerly, giving the logits of a backend without graphs; later steps do not retry it."""
+    import northcode.engine.torch_backend as torch_backend
+
+    attempts = []
+
+    class FailingCapture:
+        def __init__(self, backend, batch, num_full_pages):
+            self.key = (batch, num_full_pages)
+
+        def warm_up(self):
+            pass
+
+        def capture(self):
+            attempts.append(self.key)
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nmore")
+
+    config, weights, _ = tiny
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    kv, backend = paged(config, weights)
+    prefill(kv, backend, 0, tokens, 0, 30)
+    want = [decode(kv, backend, [0], [tokens], [pos])[0] for pos in (30, 31)]
+    kv, backend = paged(config, weights)
+    prefill(kv, backend, 0, tokens, 0, 30)
+    monkeypatch.setattr(torch_backend, "_DecodeGraph", FailingCapture)
+    backend.use_graphs = True  # what a GPU does; the captures fail
+    got = [decode(kv, backend, [0], [tokens], [pos])[0] for pos in (30, 31)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert attempts == [(1, MIN_CONTEXT_PAGES)] and not backend.graphs
+    assert backend.capture_failures == {
+        (1, MIN_CONTEXT_PAGES): "RuntimeError: CUDA error: operation failed due to a previous error during capture"}

@@ -221,7 +221,8 @@ def time_torch(config, weights, cache, steps: int, warmup: int) -> tuple[float |
         if failures:
             note = "eager, capture failed: " + "; ".join(failures)
     except Exception as err:  # a baseline problem must not lose the megakernel's figures
-        note = f"model.py eager; torch backend failed: {type(err).__name__}: {str(err).strip().splitlines()[0]}"
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        note = f"model.py eager; torch backend failed: {type(err).__name__}: {first_line}"
         ms = None
     if ms is None:
         print(f"torch B={len(cache.lengths)}: {note}", flush=True)

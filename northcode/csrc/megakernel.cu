@@ -81,8 +81,8 @@ enum TaskType : int {
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
   TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
-  TASK_MOE_UP = 8,      // drain: arg0 claim counter, arg1 first "slot done" counter
-  TASK_MOE_DOWN = 9,    // drain: arg0 claim counter, arg1 first "slot done" counter
+  TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
+  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
   TASK_DENSE_UP = 10,   // arg0 first tile, arg1 tiles: silu(gate) * up
   TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
   TASK_LM_HEAD = 12,    // arg0 first 32-row tile, arg1 tiles, arg2 task index: logits + partial argmaxes
@@ -307,6 +307,42 @@ __device__ __forceinline__ float gumbel_noise(unsigned long long seed, int step,
 // g+8 and of activation row g (g = lane/4) and uses them for two mma k16 steps. The k order inside a
 // chunk is permuted identically for A and B, which a dot product does not notice. Partial sums of
 // the 8 warps are reduced through shared memory into out (fp32 [NT][16][8]).
+// Sums the 8 warps' fragments of NT 16x8 tiles into out (fp32 [NT][16][8]), in warp order.
+template <int NT>
+__device__ __forceinline__ void reduce_warps(const float (&acc)[NT][4], float* red, float* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  __syncthreads();  // the previous tile's epilogue has read `out`
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    float* r = red + (warp * NT + n) * 128;  // [16][8]
+    r[g * 8 + 2 * t] = acc[n][0];
+    r[g * 8 + 2 * t + 1] = acc[n][1];
+    r[(g + 8) * 8 + 2 * t] = acc[n][2];
+    r[(g + 8) * 8 + 2 * t + 1] = acc[n][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
+    const int n = i >> 7, e = i & 127;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += red[(w * NT + n) * 128 + e];
+    out[i] = s;
+  }
+  __syncthreads();
+}
+
+// One k16 pair of mma steps on a 16-byte piece of weight rows g, g+8 (wa, wb) and of activation row g (xa).
+__device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, const uint4& wb, const uint4& xa) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(wa.x), "r"(wb.x), "r"(wa.y), "r"(wb.y), "r"(xa.x), "r"(xa.y));
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
+}
+
 template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
                           const bf16* act, int act_stride, int batch, float* red, float* out) {
@@ -360,24 +396,7 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
       }
     }
   }
-  __syncthreads();  // the previous tile's epilogue has read `out`
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    float* r = red + (warp * NT + n) * 128;  // [16][8]
-    r[g * 8 + 2 * t] = acc[n][0];
-    r[g * 8 + 2 * t + 1] = acc[n][1];
-    r[(g + 8) * 8 + 2 * t] = acc[n][2];
-    r[(g + 8) * 8 + 2 * t + 1] = acc[n][3];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
-    const int n = i >> 7, e = i & 127;
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += red[(w * NT + n) * 128 + e];
-    out[i] = s;
-  }
-  __syncthreads();
+  reduce_warps<NT>(acc, red, out);
 }
 
 // Shared-memory regions of the product (both fit any task's layout: they are used alone).
@@ -731,26 +750,45 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
 // ====  7. Task: COMBINE  =======================================================================
 //   Merge the splits of one (row, KV head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M),
 //   written as bf16 into attn_out [8, Hq*D].
-__device__ void combine_row(const Params& p, int b, int kvh, int nsplit) {
+static_assert(2 * kMaxSplits * 8 <= kWarps * 2 * 128 && kHeadDim % 4 == 0, "combine: scratch in GemmSmem.red, float4 outputs");
+__device__ void combine_row(const Params& p, int b, int kvh, int nsplit, float* scratch) {
+  float* m_s = scratch;                      // [kMaxSplits][8] each split's running max, then its weight
+  float* l_s = scratch + kMaxSplits * 8;     // [kMaxSplits][8] each split's sum
   const size_t base = (size_t)(b * kKvHeads + kvh) * kMaxSplits;
-  for (int idx = threadIdx.x; idx < kGroup * kHeadDim; idx += kThreads) {
+  __syncthreads();  // the previous user of the scratch is done
+  for (int i = threadIdx.x; i < nsplit * kGroup; i += kThreads) {  // all (split, head) pairs in one round trip
+    const int sp = i / kGroup, hq = i % kGroup;
+    m_s[sp * 8 + hq] = __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2);
+    l_s[sp * 8 + hq] = __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2 + 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < kGroup) {  // weight of split sp for head hq: e^(m_sp - M) / sum_s l_s e^(m_s - M)
+    const int hq = threadIdx.x;
+    float m = -INFINITY, l = 0.f;
+    for (int sp = 0; sp < nsplit; ++sp) m = fmaxf(m, m_s[sp * 8 + hq]);
+    for (int sp = 0; sp < nsplit; ++sp)
+      if (m_s[sp * 8 + hq] != -INFINITY) l += l_s[sp * 8 + hq] * __expf(m_s[sp * 8 + hq] - m);
+    for (int sp = 0; sp < nsplit; ++sp)
+      m_s[sp * 8 + hq] = (m_s[sp * 8 + hq] == -INFINITY || l <= 0.f) ? 0.f : __expf(m_s[sp * 8 + hq] - m) / l;
+  }
+  __syncthreads();
+  for (int idx = 4 * threadIdx.x; idx < kGroup * kHeadDim; idx += 4 * kThreads) {  // 4 outputs a thread, 16 loads in flight
     const int hq = idx / kHeadDim;
-    float m = -INFINITY;
-    for (int sp = 0; sp < nsplit; ++sp) m = fmaxf(m, __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2));
-    float l = 0.f, o = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
     for (int sp = 0; sp < nsplit; ++sp) {
-      const float ms = __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2);
-      if (ms == -INFINITY) continue;
-      const float f = __expf(ms - m);
-      l += __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2 + 1) * f;
-      o += __ldcg(p.attn_partial + (base + sp) * kGroup * kHeadDim + idx) * f;
+      const float4 part = __ldcg(reinterpret_cast<const float4*>(p.attn_partial + (base + sp) * kGroup * kHeadDim + idx));
+      const float f = m_s[sp * 8 + hq];
+      o.x += part.x * f, o.y += part.y * f, o.z += part.z * f, o.w += part.w * f;
     }
-    p.attn_out[(size_t)b * kQSize + kvh * kGroup * kHeadDim + idx] = __float2bfloat16_rn(l > 0.f ? o / l : 0.f);
+    bf16* out = p.attn_out + (size_t)b * kQSize + kvh * kGroup * kHeadDim + idx;
+    out[0] = __float2bfloat16_rn(o.x), out[1] = __float2bfloat16_rn(o.y);
+    out[2] = __float2bfloat16_rn(o.z), out[3] = __float2bfloat16_rn(o.w);
   }
 }
 
-__device__ void task_combine(const Params& p, const Task& t, unsigned char*) {
-  combine_row(p, t.arg[0], t.arg[1], t.arg[2]);
+__device__ void task_combine(const Params& p, const Task& t, unsigned char* smem) {
+  combine_row(p, t.arg[0], t.arg[1], t.arg[2], reinterpret_cast<GemmSmem*>(smem)->red);
 }
 
 // ====  8. Task: OPROJ  =========================================================================
@@ -872,70 +910,162 @@ __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
   }
 }
 
-// ====  11. Tasks: MOE_UP and MOE_DOWN (device-side queues)  ====================================
-//   Drains: every SM runs one per layer and claims tiles with atomicAdd on a per-layer head counter
-//   until the queue (sized by the slot count TOPK wrote) is empty. Up claim = (slot, 32 channels):
-//   gate and up rows of the slot's expert -> moe_act[slot][b] = bf16(silu(gate) * up), then "slot
-//   done" += 1 per 16 channels. Down claim = (slot, 64 output rows): waits until the slot's I/16 are done,
-//   then x[b] += bf16(bf16(down . act) * weight[slot][b]) for the rows routed to that expert.
-__device__ int claim(const Params& p, int head, int* shared_slot) {
-  __syncthreads();  // everyone has read the previous claim
-  if (threadIdx.x == 0) *shared_slot = (int)atomicAdd(p.counters + head, 1u);
-  __syncthreads();
-  return *shared_slot;
+__device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f + expf(-g))); }
+
+// ====  11. Tasks: MOE_UP and MOE_DOWN (streamed, statically shared)  ==========================
+//   Every SM runs one MOE_UP and one MOE_DOWN per layer. Once TOPK has written the slots, the work is
+//   known: up tiles u = (slot, 16 channels) taken round-robin (block r: u = r, r + blocks, ...: slots
+//   finish in order), down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
+//   slot, so its activation rows are loaded once per slot). Each lane streams its own pieces of the
+//   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
+//   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
+//   per SM across tile boundaries, and multiplies a step once its copy group is complete; the block
+//   meets only to reduce a tile's warps. Up: moe_act[slot][b] = bf16(silu(gate) * up), "slot done" += 1
+//   per tile (the slot is done at I/16). Down: waits for its slot, then x[b] += bf16(bf16(down . act) *
+//   weight[slot][b]) for the rows routed to that expert.
+constexpr int kMoeStages = 6;
+constexpr int kUpTilesPerSlot = kExpertWidth / 16;
+constexpr int kDownTilesPerSlot = kHidden / 32;
+constexpr int kUpSteps = (kHidden / 32 + kWarps - 1) / kWarps;         // k-chunks per warp of an up tile
+constexpr int kDownSteps = (kExpertWidth / 32 + kWarps - 1) / kWarps;  // ... of a down tile
+constexpr size_t kMoeRingOffset = (sizeof(GemmSmem) + 15) / 16 * 16;
+constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
+
+struct MoeStream {  // one lane's view of a drain's weight stream: tile i of the block's list, step j of it
+  const int* experts;  // shared memory: the expert of each slot (copied once: no global load per issued step)
+  const bf16* base;  // the layer's gate_up [E, 2I, H] (up) or down [E, H, I]
+  bool up;
+  int first, stride, count, steps;  // the block's tiles: first + i * stride, i < count; steps per tile (this warp)
+  uint4* ring;
+};
+
+// Rows of the tile's two 16-row matrices (A, B) and K, for tile index `tile` of the stream's kind.
+__device__ __forceinline__ void moe_tile_rows(const MoeStream& st, int tile, const bf16*& wa, const bf16*& wb) {
+  if (st.up) {
+    const int slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;
+    const bf16* w = st.base + (size_t)st.experts[slot] * 2 * kExpertWidth * kHidden;
+    wa = w + (size_t)ch * 16 * kHidden;                   // gate rows
+    wb = w + (size_t)(kExpertWidth + ch * 16) * kHidden;  // up rows
+  } else {
+    const int slot = tile / kDownTilesPerSlot, row0 = (tile % kDownTilesPerSlot) * 32;
+    wa = st.base + (size_t)st.experts[slot] * kHidden * kExpertWidth + (size_t)row0 * kExpertWidth;
+    wb = wa + (size_t)16 * kExpertWidth;
+  }
 }
 
-__device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f + expf(-g))); }
+// Issues step q of the lane's stream into ring slot q % kMoeStages (nothing past the end) and commits a group.
+__device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
+  if (st.steps > 0 && q < st.count * st.steps) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int K = st.up ? kHidden : kExpertWidth;
+    const int c = warp + kWarps * (q % st.steps);
+    const bf16 *wa, *wb;
+    moe_tile_rows(st, st.first + (q / st.steps) * st.stride, wa, wb);
+    uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
+    const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
+    cp_async16(slot, wa + lo);
+    cp_async16(slot + kThreads, wa + hi);
+    cp_async16(slot + 2 * kThreads, wb + lo);
+    cp_async16(slot + 3 * kThreads, wb + hi);
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+// Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the
+// activation fragments in xa), refilling each consumed ring slot with the step kMoeStages ahead.
+template <int kSteps>
+__device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, const uint4 (&xa)[kSteps], float (&acc)[2][4]) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    if (j < st.steps) {
+      const int q = i * st.steps + j;
+      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
+      const uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
+      const uint4 a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];
+      mma_piece(acc[0], a_lo, a_hi, xa[j]);
+      mma_piece(acc[1], b_lo, b_hi, xa[j]);
+      moe_issue(st, q + kMoeStages);
+    }
+  }
+}
+
+__device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
+  const int warp = threadIdx.x >> 5, nchunk = (up ? kHidden : kExpertWidth) / 32;
+  const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks, rank = blockIdx.x;
+  int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
+  __syncthreads();  // the previous user of this memory is done
+  for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
+  __syncthreads();
+  MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up, 0, 1, 0,
+               warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
+               reinterpret_cast<uint4*>(smem + kMoeRingOffset)};
+  if (up) {  // round-robin
+    const int total = slots * kUpTilesPerSlot;
+    st.first = rank, st.stride = blocks, st.count = rank < total ? (total - rank + blocks - 1) / blocks : 0;
+  } else {  // contiguous
+    const int total = slots * kDownTilesPerSlot;
+    st.first = (int)((long long)total * rank / blocks);
+    st.count = (int)((long long)total * (rank + 1) / blocks) - st.first;
+  }
+  for (int q = 0; q < kMoeStages; ++q) moe_issue(st, q);  // the stream's first steps, before any wait
+  return st;
+}
 
 __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  int* claimed = reinterpret_cast<int*>(&s.best[0]);
-  constexpr int kTilesPerSlot = kExpertWidth / 32;  // a claim covers 32 channels: two 16-row sub-tiles
-  const int num_tiles = __ldcg(p.moe_slots) * kTilesPerSlot;
-  const bf16* gate_up = layer_ptr(p, t.layer, LP_EXPERT_GATE_UP);  // [E, 2I, H]
-  for (int tile = claim(p, t.arg[0], claimed); tile < num_tiles; tile = claim(p, t.arg[0], claimed)) {
-    const int slot = tile / kTilesPerSlot;
-    const int expert = __ldcg(p.moe_slots + 1 + slot);
-    const bf16* w = gate_up + (size_t)expert * 2 * kExpertWidth * kHidden;
-    for (int j = (tile % kTilesPerSlot) * 2; j < (tile % kTilesPerSlot) * 2 + 2; ++j) {
-      const bf16* tiles[2] = {w + (size_t)j * 16 * kHidden, w + (size_t)(kExpertWidth + j * 16) * kHidden};
-      const int valid[2] = {16, 16};
-      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
-      const int i = threadIdx.x, r = i >> 3, b = i & 7;
-      if (i < 128 && b < p.batch_size) {
-        const float act = bf16_round(silu_bf16(bf16_round(s.out[i])) * bf16_round(s.out[128 + i]));
-        p.moe_act[((size_t)slot * kMaxBatch + b) * kExpertWidth + j * 16 + r] = __float2bfloat16_rn(act);
-      }
-      signal_counter(p, t.arg[1] + slot);  // one per 16 channels: the slot is done at I/16
+  const MoeStream st = moe_stream(p, t, smem, true);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  uint4 xa[kUpSteps];  // this lane's pieces of h row g at its warp's chunks (the same for every tile)
+#pragma unroll
+  for (int j = 0; j < kUpSteps; ++j)
+    xa[j] = g < p.batch_size && j < st.steps ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq)
+                                             : make_uint4(0, 0, 0, 0);
+  for (int i = 0; i < st.count; ++i) {
+    float acc[2][4];
+    moe_tile_product<kUpSteps>(st, i, xa, acc);
+    reduce_warps<2>(acc, s.red, s.out);
+    const int tile = st.first + i * st.stride, slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;
+    const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
+    if (threadIdx.x < 128 && b < p.batch_size) {
+      const float act = bf16_round(silu_bf16(bf16_round(s.out[threadIdx.x])) * bf16_round(s.out[128 + threadIdx.x]));
+      p.moe_act[((size_t)slot * kMaxBatch + b) * kExpertWidth + ch * 16 + r] = __float2bfloat16_rn(act);
     }
+    signal_counter(p, t.arg[1] + slot);
   }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the task (the next reuses the memory)
+  __syncthreads();
 }
 
 __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  int* claimed = reinterpret_cast<int*>(&s.best[0]);
-  constexpr int kTilesPerSlot = kHidden / 64;  // a claim covers 64 output rows: two 32-row sub-tiles
-  const int num_tiles = __ldcg(p.moe_slots) * kTilesPerSlot;
-  const bf16* down = layer_ptr(p, t.layer, LP_EXPERT_DOWN);  // [E, H, I]
-  for (int tile = claim(p, t.arg[0], claimed); tile < num_tiles; tile = claim(p, t.arg[0], claimed)) {
-    const int slot = tile / kTilesPerSlot;
-    const int expert = __ldcg(p.moe_slots + 1 + slot);
-    const int row0 = (tile % kTilesPerSlot) * 64;
-    const bf16* w = down + (size_t)expert * kHidden * kExpertWidth + (size_t)row0 * kExpertWidth;
-    for (size_t off = threadIdx.x * 128; off < (size_t)64 * kExpertWidth * 2; off += kThreads * 128)
-      prefetch_l2(reinterpret_cast<const char*>(w) + off);
-    wait_counter(p, t.arg[1] + slot, kExpertWidth / 16);
-    const float weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
-    for (int half = 0; half < 2; ++half) {
-      const bf16* tiles[2] = {w + (size_t)half * 32 * kExpertWidth, w + (size_t)(half * 32 + 16) * kExpertWidth};
-      const int valid[2] = {16, 16};
-      mma_tiles<2>(tiles, valid, kExpertWidth,
-                 p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth, kExpertWidth, p.batch_size, s.red, s.out);
-      const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
-      if (weight != 0.f)
-        atomicAdd(p.x + (size_t)b * kHidden + row0 + half * 32 + n * 16 + r, bf16_round(bf16_round(s.out[i]) * weight));
+  const MoeStream st = moe_stream(p, t, smem, false);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  uint4 xa[kDownSteps];
+  float weight = 0.f;
+  int loaded = -1;  // the slot whose activation rows xa holds
+  for (int i = 0; i < st.count; ++i) {
+    const int tile = st.first + i, slot = tile / kDownTilesPerSlot, row0 = (tile % kDownTilesPerSlot) * 32;
+    if (slot != loaded) {
+      wait_counter(p, t.arg[1] + slot, kUpTilesPerSlot);
+      const bf16* act = p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth;
+#pragma unroll
+      for (int j = 0; j < kDownSteps; ++j)
+        xa[j] = g < p.batch_size && j < st.steps ? load_act16(act + (size_t)g * kExpertWidth + (warp + kWarps * j) * 32 + 8 * tq)
+                                                 : make_uint4(0, 0, 0, 0);
+      weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
+      loaded = slot;
     }
+    float acc[2][4];
+    moe_tile_product<kDownSteps>(st, i, xa, acc);
+    reduce_warps<2>(acc, s.red, s.out);
+    const int n = threadIdx.x >> 7, r = (threadIdx.x >> 3) & 15, b = threadIdx.x & 7;
+    if (weight != 0.f)
+      atomicAdd(p.x + (size_t)b * kHidden + row0 + n * 16 + r, bf16_round(bf16_round(s.out[threadIdx.x]) * weight));
   }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();
 }
 
 // ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================
@@ -1197,7 +1327,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 
 // Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
-constexpr size_t kBaseSmemBytes = size_max(size_max(sizeof(GemmSmem), sizeof(TopkSmem)),
+constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
 
 // ====  16. C ABI  ==============================================================================

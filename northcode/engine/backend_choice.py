@@ -1,9 +1,10 @@
 """Which decode backend runs the model (EngineSettings.backend = auto | torch | megakernel), and why.
 
-`megakernel_blocker` lists, in order, what keeps the megakernel (megakernel.py) from running here: a
-device that is not a CUDA GPU, a GPU that is not sm_90 (the kernel is built for sm_90a: H100/H200),
-no nvcc to build it, a dtype other than bfloat16, pages other than the kernel's 64 tokens, or a model
-geometry the kernel does not implement (megakernel.unsupported_reason). `choose_backend` turns the
+`megakernel_blocker` lists, in order, what keeps the megakernel (megakernel.py; the engine's backend over
+it: megakernel_backend.py) from running here: a device that is not a CUDA GPU, a GPU that is not sm_90
+(the kernel is built for sm_90a: H100/H200), no nvcc to build it, a dtype other than bfloat16, pages other
+than the kernel's 64 tokens, or a model geometry the kernel does not implement
+(megakernel.unsupported_reason). `choose_backend` turns the
 setting into a BackendChoice: "auto" takes the megakernel when nothing blocks it and torch otherwise,
 with the reason either way; "megakernel" where it cannot run is a ValueError naming the reason; "torch"
 is always possible. `build_backend` constructs it; under "auto" a megakernel that fails to start (an
@@ -105,7 +106,7 @@ def build_backend(choice: BackendChoice, config: ModelConfig, weights: dict[str,
     megakernel that fails to start gives way to torch; the returned choice then says why."""
     if choice.name == "megakernel":
         try:
-            from northcode.engine.megakernel import MegakernelBackend
+            from northcode.engine.megakernel_backend import MegakernelBackend
 
             backend = MegakernelBackend(config, weights, num_pages, settings.page_size, settings.max_batch,
                                         max_pages_per_seq, cuda_graphs=settings.cuda_graphs)

@@ -5,7 +5,7 @@ costs about 0.5 us plus a tail; shared/docs/perf_anchors.md), so this step is or
 few kernels as stock PyTorch ops allow, with static shapes for a (batch, context bucket) pair, no host
 sync and no Python loop over rows or experts: it is captured whole in a CUDA graph (torch_backend.py).
 `python -m northcode.engine.op_count` counts its kernels on the CPU (North Mini Code's layer plan:
-1050 at batch 1, 1183 at batch 8; the step this replaced took 2825 and 2972).
+1050 at batch 1, 1279 at batch 8; the step this replaced took 2825 and 2972).
 
 Once per step (`prepare`, 37 small kernels whatever the depth):
   - RoPE as matrices: I*cos + S*sin (S swaps each pair with a sign) per row for the query and key
@@ -20,7 +20,8 @@ Once per step (`prepare`, 37 small kernels whatever the depth):
 Per layer (at B = 1: 10 kernels of attention, 11 of routed MoE, 4 of dense MLP):
   norm (one fused rms_norm / layer_norm); QKV and the router logits in one GEMM (the fused weight holds
   the slot-major QKV rows, then the router's on sparse layers); RoPE (one bmm); the K and V writes (one
-  index_put_: the pools are the two halves of one tensor); one gather of the layer's K and V pages;
+  index_put_: the pools are the two halves of one tensor); one gather of the layer's K and V pages (in
+  8-byte words: a quarter of the elements in bf16);
   scores (bmm), mask (one add that also applies the score scale), softmax, probs @ V (bmm); o_proj
   added into the residual in place (addmm_); then the MLP, added in place too (routed_experts.py:
   top-k, sort, two grouped GEMMs, combine; or the dense SwiGLU on its fused gate_up weight).
@@ -109,7 +110,11 @@ class DecodeStep:
                 self.kind_layers[sliding] = torch.tensor(ids, device=device)
         pool = backend.kv_pool  # [2, num_pages + 1, ps, Hkv, D]
         self.pool_slots = pool.view(2, -1, self.num_kv_heads, self.head_dim)  # [K or V, slots, Hkv, D]
-        self.pool_by_head = pool.permute(0, 3, 1, 2, 4)  # [2, Hkv, pages, ps, D]: gathers come out head-major
+        # [2, Hkv, pages, ps, D / r]: gathers come out head-major, and move r elements of the model dtype as
+        # one 8-byte word (r = 4 in bf16), so the index kernel handles r times fewer elements for the same bytes
+        self.pool_dtype = pool.dtype
+        self.gather_dtype = torch.int64 if self.head_dim * pool.element_size() % 8 == 0 else pool.dtype
+        self.pool_by_head = pool.permute(0, 3, 1, 2, 4).view(self.gather_dtype)
 
     def window_pages(self) -> int:
         """Pages that hold a window of W positions ending anywhere (it need not start on a page)."""
@@ -179,7 +184,7 @@ class DecodeStep:
         self.pool_slots.index_put_((self.k_and_v, step.write_slots[layer_idx][:, None]), qkv[:, group:])
         kind = step.kinds[cfg.window(layer_idx) is not None]
         pages = kind.pages[self.position_in_kind[layer_idx]]  # [B, P]
-        kv = self.pool_by_head[:, self.head_range, pages[:, None, :]]  # [2, B, Hkv, P, ps, D]
+        kv = self.pool_by_head[:, self.head_range, pages[:, None, :]].view(self.pool_dtype)  # [2, B, Hkv, P, ps, D]
         keys = kv[0].reshape(batch * kv_heads, -1, head_dim)  # [B*Hkv, S, D]
         values = kv[1].reshape(batch * kv_heads, -1, head_dim)
         queries = qkv[:, :group].transpose(1, 2).reshape(batch * kv_heads, group, head_dim)  # a view when B = 1

@@ -31,7 +31,7 @@ from northcode.engine.megakernel_tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS
                                                place_waves, summarize_profile)
 
 __all__ = ["FLAG_NO_KV_PRELOAD", "FLAG_PREFETCH_CURRENT", "FLAG_PREFETCH_NEXT", "VARIANTS",
-           "Megakernel", "MegakernelBackend", "RowSpec", "Schedule", "Variant", "variant_from_env", "TaskType",
+           "Megakernel", "RowSpec", "Schedule", "Variant", "variant_from_env", "TaskType",
            "attention_splits", "build_library",
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
            "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS", "WAVE_ORDERS"]
@@ -373,63 +373,3 @@ class Megakernel:
             self.io[MAX_BATCH:].zero_()
             message = STATUS_MESSAGES.get(status[0], "unknown failure {0} {1}").format(status[1], status[2])
             raise RuntimeError(f"megakernel: step failed: {message}")
-
-
-# --- the engine's decode backend ---
-
-
-class MegakernelBackend:
-    """backend.py's ModelBackend: decode in the megakernel (batches of up to 8 rows per launch), prefill
-    in a TorchBackend that shares the KV pools and the device block tables. Samples on the device when
-    asked (no penalties, no logprobs); otherwise returns logits for the engine's Sampler."""
-
-    name = "megakernel"
-
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], num_pages: int, page_size: int,
-                 max_batch: int, max_pages_per_seq: int, cuda_graphs: bool = True) -> None:
-        from northcode.engine.torch_backend import TorchBackend
-
-        reason = unsupported_reason(config)
-        if page_size != PAGE_SIZE:
-            reason = f"page_size {page_size} (the kernel's pages hold {PAGE_SIZE} tokens)"
-        elif not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-            reason = "it needs a Hopper GPU (sm_90)"
-        if reason:
-            raise ValueError(f"engine setting backend = 'megakernel': {reason}")
-        self.prefiller = TorchBackend(config, weights, num_pages, page_size, max_batch, max_pages_per_seq,
-                                      cuda_graphs=False)
-        self.k_pool, self.v_pool = self.prefiller.k_pool, self.prefiller.v_pool
-        self.kernel = Megakernel(config, weights, self.k_pool, self.v_pool, self.prefiller.tables)
-
-    def can_sample(self, params) -> bool:
-        return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
-                and params.logprobs is None)
-
-    def prefill(self, batch):
-        return self.prefiller.prefill(batch)
-
-    def decode(self, batch):
-        from northcode.engine.backend import DecodeResult
-
-        self.prefiller._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
-        tokens: list[int] = []
-        logits: list[torch.Tensor] = []
-        for start in range(0, len(batch.rows), MAX_BATCH):
-            part = range(start, min(start + MAX_BATCH, len(batch.rows)))
-            self.kernel.step([self._row(batch, b) for b in part], torch.tensor([batch.token_ids[b] for b in part]))
-            self.kernel.check()
-            if batch.return_logits:
-                logits.append(self.kernel.logits[:len(part)].clone())
-            if batch.sample:
-                tokens += self.kernel.tokens[:len(part)].tolist()
-        return DecodeResult(tokens if batch.sample else None, torch.cat(logits) if batch.return_logits else None)
-
-    @staticmethod
-    def _row(batch, b: int) -> RowSpec:
-        if not batch.sample:
-            return RowSpec(position=batch.positions[b], seq=batch.rows[b])
-        row = batch.sampling[b]
-        params = row.params
-        return RowSpec(position=batch.positions[b], seq=batch.rows[b], step=len(row.output_ids), seed=row.seed,
-                       temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
-                       top_p=params.top_p, min_p=params.min_p)

@@ -69,19 +69,29 @@ class _Counters:
         return self.count - n
 
 
-def place_waves(waves: list[list[list[int]] | tuple[str, list[int]]], num_blocks: int) -> list[list[list[int]]]:
+def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
     """Round-robin each wave's tasks over the blocks, the cursor carried across waves; a ("each", task)
-    wave puts one copy on every block (the drains)."""
+    wave puts one copy on every block (the drains); an ("apart", tasks) wave is placed like a plain one, and
+    the next plain wave skips the blocks it used while other blocks remain (the router's and top-k's blocks
+    get no QKV tile: the MoE chain runs through them)."""
     lists: list[list[list[int]]] = [[] for _ in range(num_blocks)]
-    cursor = 0
+    cursor, avoid = 0, set()
     for wave in waves:
-        if isinstance(wave, tuple):
+        if isinstance(wave, tuple) and wave[0] == "each":
             for block_tasks in lists:
                 block_tasks.append(list(wave[1]))
             continue
-        for task in wave:
+        apart = isinstance(wave, tuple)
+        tasks = wave[1] if apart else wave
+        skip = avoid if len(avoid) < num_blocks else set()
+        used = set()
+        for task in tasks:
+            while cursor in skip:
+                cursor = (cursor + 1) % num_blocks
             lists[cursor].append(task)
+            used.add(cursor)
             cursor = (cursor + 1) % num_blocks
+        avoid = avoid | used if apart else set()
     return lists
 
 
@@ -122,6 +132,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
                     qkv.append(make_task(TaskType.QKV, layer, (tile, min(qkv_tiles, first + count - tile),
                                                                int(c.uses_rope(layer))), ((norm_done, batch),), qkv_done + g))
                     per_group[g] += 1
+        qkv_wave = len(waves)
         waves.append(qkv)
         attn_done, combine_done, oproj_done, mlp_done = counters.alloc(batch * kvh), counters.alloc(), counters.alloc(), counters.alloc()
         window = c.window(layer) or 0
@@ -139,14 +150,16 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
                              for t in range(down_tiles)], combine]
             mlp_target = down_tiles
         else:
-            router_done, topk_done, up_head, down_head = (counters.alloc() for _ in range(4))
+            router_done, topk_done = counters.alloc(), counters.alloc()
             slot_done = counters.alloc(c.num_experts)
             router_tiles = math.ceil(c.num_experts / 16)
-            waves.append([make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
-                          for t in range(router_tiles)])
-            waves.append([make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])
-            up = ("each", make_task(TaskType.MOE_UP, layer, (up_head, slot_done), ((topk_done, 1),)))
-            down = ("each", make_task(TaskType.MOE_DOWN, layer, (down_head, slot_done), ((topk_done, 1),), mlp_done))
+            # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
+            waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
+                                                   for t in range(router_tiles)]),
+                                        ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
+            # arg0 unused (was a claim counter); arg1: the first "slot done" counter
+            up = ("each", make_task(TaskType.MOE_UP, layer, (0, slot_done), ((topk_done, 1),)))
+            down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
             mlp_target = num_blocks
         oproj_tiles = c.hidden_size // 16
         oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, combine_target),), oproj_done)

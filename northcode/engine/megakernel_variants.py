@@ -22,7 +22,7 @@ class Variant:
 
     flags: int = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
     kv_stages: int = 3
-    wave_order: str = "tail-early"
+    wave_order: str = "attention-first"
     qkv_tiles: int = 1
 
 
@@ -31,7 +31,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "default": Variant(),
     "no-prefetch": Variant(flags=0),
     "prefetch-current": Variant(flags=FLAG_PREFETCH_CURRENT),
-    "attention-first": Variant(wave_order="attention-first"),
+    "tail-early": Variant(wave_order="tail-early"),
     "moe-first": Variant(wave_order="moe-first"),
     "qkv-pairs": Variant(qkv_tiles=2),
     "no-kv-preload": Variant(flags=_PREFETCH | FLAG_NO_KV_PRELOAD),

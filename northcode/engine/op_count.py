@@ -19,6 +19,7 @@ Kernels are attributed to the step's parts: prepare, each layer kind (decode_ste
 
     python -m northcode.engine.op_count [--batch 1] [--context 8192] [--ops]
     python -m northcode.engine.op_count --cuda     # on a GPU: the CUDA kernels torch.profiler sees
+    python -m northcode.engine.op_count --time     # on a GPU, real widths: where the step's time goes
 """
 
 from __future__ import annotations
@@ -201,6 +202,65 @@ def count_cuda_kernels(batch: int = 1, context: int = 8192, config=None) -> tupl
     return device_events or sum(by_part.values()), by_part
 
 
+def time_cuda_step(batch: int = 1, context: int = 8192, repeats: int = 20) -> dict:
+    """North Mini Code at its real widths (random bf16 weights) on the GPU: ms per decode step replayed in a
+    CUDA graph (what the bench measures), and from one eager step under torch.profiler the device time of
+    every kernel, by part of the step and by kernel name. The graph's time minus the kernels' is what the
+    launches and the gaps between kernels cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from northcode.engine.synthetic import preset_config
+
+    step = decode_step_at(batch, context, preset_config("north-mini-code"), device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up before the capture, on a side stream
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        begin.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    by_part: Counter = Counter()  # part -> us of kernel time
+    by_name: Counter = Counter()  # kernel name -> us
+    calls: Counter = Counter()
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or not getattr(event, "kernels", None):
+            continue
+        part, parent = "other", event
+        while parent is not None and part == "other":
+            part = parent.name if parent.name.startswith(("layer.", "step.")) else "other"
+            parent = parent.cpu_parent
+        for kernel in event.kernels:
+            by_part[part] += kernel.duration
+            by_name[kernel.name[:70]] += kernel.duration
+            calls[kernel.name[:70]] += 1
+    return dict(graph_ms=begin.elapsed_time(end) / repeats, kernels=sum(calls.values()),
+                kernel_ms=sum(by_name.values()) / 1e3, by_part=by_part, by_name=by_name, calls=calls)
+
+
+def print_timing(batch: int, context: int, top: int = 25) -> None:
+    t = time_cuda_step(batch, context)
+    print(f"decode step, North Mini Code widths, batch {batch}, context {context}: {t['graph_ms']:.3f} ms in a "
+          f"CUDA graph; eager under the profiler {t['kernels']} kernels, {t['kernel_ms']:.3f} ms of kernel time")
+    for part, us in sorted(t["by_part"].items()):
+        print(f"  {part:28s} {us / 1e3:8.3f} ms")
+    print(f"  top {top} kernels by device time (calls, ms):")
+    for name, us in t["by_name"].most_common(top):
+        print(f"    {t['calls'][name]:5d} {us / 1e3:8.3f}  {name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from northcode.engine.decode_step import layer_kind
 
@@ -209,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--ops", action="store_true", help="also list the kernels by op")
     parser.add_argument("--cuda", action="store_true", help="count real CUDA kernels with torch.profiler instead")
+    parser.add_argument("--time", action="store_true",
+                        help="on a GPU at North Mini Code's widths: graph ms per step and kernel time by part and name")
     args = parser.parse_args(argv)
+    if args.time:
+        print_timing(args.batch, args.context)
+        return 0
     if args.cuda:
         total, by_part = count_cuda_kernels(args.batch, args.context)
         print(f"decode step on CUDA, batch {args.batch}, context {args.context}: {total} kernels")

@@ -6,17 +6,22 @@ be captured in a CUDA graph. Two ways, both exact up to fp32 rounding against mo
 experts of a token are summed in top-k order instead of ascending id order):
 
 - grouped (`grouped_experts`): sort the N*k pairs by expert, searchsorted for the group ends, two
-  grouped GEMMs (F.grouped_mm) over the expert weights in place, unsort, combine: 9 kernels after
-  the top-k. Reads each *distinct* chosen expert once: the default for bf16 on a GPU (CUDA's grouped
-  GEMM takes bf16 only) and on the CPU.
+  grouped GEMMs (F.grouped_mm) over the expert weights in place, unsort, combine: 9 kernels after the
+  top-k at N = 1, 11 at N > 1. Reads each *distinct* chosen expert once: the default for bf16 on a GPU
+  (CUDA's grouped GEMM takes bf16 only) and on the CPU.
 - gathered (`gathered_experts`): index_select the N*k chosen experts' weights into [N*k, 2I, H] and
-  [N*k, H, I], then plain batched GEMVs: 7 kernels, but three times the bytes of the experts at batch 1
-  (the copy is written and read again) and a copy per (token, expert) pair at batch 8: used for
-  fp32/fp16 on a GPU, and selectable with NORTHCODE_TORCH_MOE=gathered to measure it.
+  [N*k, H, I], then plain batched GEMVs: 7 kernels at N = 1, but three times the bytes of the experts at
+  batch 1 (the copy is written and read again) and a copy per (token, expert) pair at batch 8: used for
+  fp32/fp16 on a GPU, and selectable with NORTHCODE_TORCH_MOE=gathered to measure it. At N > 1 its two
+  GEMMs are batched with one output column, the kind of cuBLAS call that failed in capture (below).
 - loop (model.run_experts, host syncs): the prefill of fp32/fp16 models on a GPU.
 
-Both end with the combine `x += weights @ expert_out` in place on the residual stream (one baddbmm),
-so the caller passes its residual x [N, H] and gets it back updated.
+Both end with the combine `x += sum_j weights[:, j] * expert_out[:, j]` in place on the residual stream
+(`add_weighted`), so the caller passes its residual x [N, H] and gets it back updated. For N > 1 the
+combine is elementwise (products, an fp32 sum over the k, one add: two kernels more than a GEMM): the
+baddbmm of batch N with one output column it replaces failed inside CUDA-graph capture at batch 8 on
+the H200 (torch 2.11, CUDA 13: CUBLAS_STATUS_EXECUTION_FAILED in cublasGemmStridedBatchedEx) although it
+ran eagerly; at N = 1 it stays one baddbmm, which captured and ran there.
 """
 
 from __future__ import annotations
@@ -58,8 +63,19 @@ def grouped_experts(x: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, dow
     gate, up = _grouped_mm(tokens, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [N*k, I]
     expert_out = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N*k, H] sorted
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)  # pair j of token n at n*k+j
-    x.view(num_tokens, 1, -1).baddbmm_(weights.view(num_tokens, 1, k), unsorted.view(num_tokens, k, -1))
-    return x
+    return add_weighted(x, unsorted.view(num_tokens, k, -1), weights)
+
+
+def add_weighted(x: torch.Tensor, pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x [N, H] += sum_j weights[:, j] * pair_out[:, j] (pair_out [N, k, H], weights [N, k]); returns x.
+
+    N = 1: one baddbmm (fp32 accumulation, one rounding). N > 1: no GEMM (module docstring): the products
+    in the model dtype, as model.run_experts rounds them, summed in fp32, added to x with one rounding."""
+    if x.shape[0] == 1:
+        x.view(1, 1, -1).baddbmm_(weights.view(1, 1, -1), pair_out)
+        return x
+    combined = torch.sum(pair_out * weights[:, :, None], dim=1, dtype=torch.float32)  # [N, H] fp32
+    return x.add_(combined)
 
 
 def gathered_experts(x: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -71,8 +87,7 @@ def gathered_experts(x: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, do
     hidden = torch.bmm(chosen_gate_up, h[:, :, None]).view(num_tokens * k, 2, -1)  # [N*k, 2, I]: gate, up
     act = F.silu(hidden[:, 0]) * hidden[:, 1]  # [N*k, I]
     expert_out = torch.bmm(down.index_select(0, flat_ids), act[:, :, None])  # [N*k, H, 1]
-    x.view(num_tokens, 1, -1).baddbmm_(weights.view(num_tokens, 1, k), expert_out.view(num_tokens, k, -1))
-    return x
+    return add_weighted(x, expert_out.view(num_tokens, k, -1), weights)
 
 
 def route_logits(logits: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

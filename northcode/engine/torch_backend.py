@@ -14,9 +14,12 @@ graphs of the decode step.
     eighth of an octave (16, 18, 20, ... pages), so a graph reads at most ~12% more pages than needed.
   - launch_decode (torch_launch.py) enqueues the same step for the engine's pipeline: carried rows take the
     previous launch's tokens on the device, the rows are sampled on the device, and the host reads the tokens
-    only in `result()`, after it has launched the next step. A subclass that replaces `decode` (tests that
-    inject hangs), or an instance whose decode was replaced, gets no launch_decode, so the engine keeps
-    calling that decode.
+    only in `result()`, after it has launched the next step.
+  Both run the model through `decode_logits` (the one place tests inject hangs and failures).
+A graph is captured on the backend's own stream after two warm-up steps there, with the garbage collector
+run first and held off meanwhile: a dead backend's graphs (backends live in reference cycles) destroyed in
+the middle of a capture invalidate it. A capture that fails anyway is undone, logged and kept in
+`capture_failures`; that (batch, context) bucket then runs eagerly.
 decode samples with the PyTorch sampler (sampling.py) on the same device, after the step; launch_decode with
 torch_launch.sample_on_device (the same draws, no host read). Host inputs (token ids, positions, rows, block
 tables) go up through pinned memory without a sync.
@@ -26,6 +29,7 @@ NORTHCODE_TORCH_MOE=grouped|gathered picks the decode MoE path (routed_experts.p
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 
 import torch
@@ -46,7 +50,6 @@ from northcode.engine.torch_launch import sample_on_device, to_device
 log = logging.getLogger(__name__)
 MIN_CONTEXT_PAGES = 4  # smallest context bucket of the decode graphs (pages of full layers)
 BUCKET_STEPS_PER_OCTAVE = 8  # context buckets: 16, 18, 20, ..., 30, 32, 36, ... pages
-_OWN_LAUNCH = object()  # TorchBackend.launch_decode not set on the instance
 
 
 def next_power_of_two(n: int) -> int:
@@ -103,11 +106,12 @@ class TorchBackend:
         self.moe_path = choose_moe_path(self.device, self.dtype)  # decode
         self.prefill_moe_path = "grouped" if self.device.type == "cpu" or self.dtype == torch.bfloat16 else "loop"
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}  # (batch bucket, context pages) -> graph
+        self.capture_failures: dict[tuple[int, int], str] = {}  # the same keys -> the error; run eagerly
         self.graph_pool = None
+        self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None  # warm-up and capture
         self.sampler = Sampler()
         self.last_launch_tokens: torch.Tensor | None = None  # device long [B]: what launch_decode sampled last
-        self._launch_override = _OWN_LAUNCH  # what `launch_decode = ...` set on this instance, if anything
         self.prefiller = ChunkPrefill(self)
         self.decoder = DecodeStep(self)  # its prepare / layer are what the GPU tests teacher-force
         self.decode_step = self.decoder.__call__  # (token_ids, positions, rows, num_full_pages) -> logits
@@ -153,36 +157,24 @@ class TorchBackend:
     def decode(self, batch: DecodeBatch) -> DecodeResult:
         self.last_launch_tokens = None  # a later launch can carry nothing across this step
         inputs = to_device(torch.tensor(batch.token_ids, dtype=torch.long), self.device)  # [B]
-        logits = self._decode_logits_for(batch, inputs)
+        logits = self.decode_logits(batch, inputs)
         token_ids = self.sampler.sample(logits, batch.sampling).token_ids if batch.sample else None
         return DecodeResult(token_ids, logits if batch.return_logits else None)
 
-    @property
-    def launch_decode(self):
-        """The pipelined decode (backend.py), or None when decode was replaced on the class or on this instance
-        (tests that inject hangs and failures): launching would bypass it, so the engine decodes step by step."""
-        if self._launch_override is not _OWN_LAUNCH:
-            return self._launch_override
-        replaced = type(self).decode is not TorchBackend.decode or "decode" in self.__dict__
-        return None if replaced else self._launch_decode
-
-    @launch_decode.setter
-    def launch_decode(self, launch) -> None:
-        self._launch_override = launch
-
     @torch.inference_mode()
-    def _launch_decode(self, batch: DecodeBatch, carry: list[int]) -> LaunchedDecode:
+    def launch_decode(self, batch: DecodeBatch, carry: list[int]) -> LaunchedDecode:
         """Enqueue one decode step and its sampling; return without reading the device (backend.py).
         carry[b] >= 0: row b feeds the token row carry[b] of the previous launch sampled."""
         previous = self.last_launch_tokens
         check_launchable(batch, carry, None if previous is None else previous.shape[0])
         token_ids = carried_tokens(batch.token_ids, carry, previous, self.device)  # device long [B]
-        tokens = sample_on_device(self._decode_logits_for(batch, token_ids), batch.sampling)
+        tokens = sample_on_device(self.decode_logits(batch, token_ids), batch.sampling)
         self.last_launch_tokens = tokens
         return LaunchedDecode(tokens)
 
-    def _decode_logits_for(self, batch: DecodeBatch, token_ids: torch.Tensor) -> torch.Tensor:
-        """[B, V] fp32 logits of one decode step (in a CUDA graph on a GPU); token_ids: device long [B]."""
+    def decode_logits(self, batch: DecodeBatch, token_ids: torch.Tensor) -> torch.Tensor:
+        """[B, V] fp32 logits of one decode step (in a CUDA graph on a GPU); token_ids: device long [B].
+        The model step of both decode and launch_decode: where tests inject hangs and failures."""
         self._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
         num_rows = len(batch.rows)
         bucket = min(next_power_of_two(num_rows), self.max_batch) if self.use_graphs else num_rows
@@ -194,11 +186,12 @@ class TorchBackend:
         token_ids = F.pad(token_ids, (0, pad))  # padded rows feed token 0 at position 0 of the scratch row
         positions = to_device(torch.tensor(batch.positions + [0] * pad), self.device)
         rows = to_device(torch.tensor(batch.rows + [self.max_batch] * pad), self.device)
-        if not self.use_graphs:
-            return self.decode_step(token_ids, positions, rows, num_full_pages)[:num_rows]
-        graph = self.graphs.get((bucket, num_full_pages))
-        if graph is None:
+        key = (bucket, num_full_pages)
+        graph = self.graphs.get(key)
+        if self.use_graphs and graph is None and key not in self.capture_failures:
             graph = self._capture(bucket, num_full_pages)
+        if graph is None:  # no graphs, or this bucket's capture failed
+            return self.decode_step(token_ids, positions, rows, num_full_pages)[:num_rows]
         return graph.run(token_ids, positions, rows)[:num_rows].clone()
 
     def warm_up(self) -> None:
@@ -211,31 +204,71 @@ class TorchBackend:
             if (bucket, pages) not in self.graphs:
                 self._capture(bucket, pages)
 
-    def _capture(self, bucket: int, num_full_pages: int) -> _DecodeGraph:
+    def _capture(self, bucket: int, num_full_pages: int) -> _DecodeGraph | None:
+        """The decode graph of a (batch bucket, context pages) pair, or None when its capture failed (logged,
+        kept in capture_failures: the bucket then runs eagerly). A failing warm-up step raises: then the
+        step itself is broken, not its capture."""
+        key = (bucket, num_full_pages)
         log.info("capturing the decode graph for batch %d, %d context pages", bucket, num_full_pages)
         graph = _DecodeGraph(self, bucket, num_full_pages)
-        self.graphs[(bucket, num_full_pages)] = graph
+        graph.warm_up()
+        try:
+            graph.capture()
+        except Exception as err:  # whatever the capture raised: this bucket decodes eagerly
+            self.capture_failures[key] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            log.warning("decode graph for batch %d, %d context pages not captured (%s); it runs eagerly",
+                        bucket, num_full_pages, self.capture_failures[key])
+            return None
+        self.graphs[key] = graph
         return graph
 
 
 class _DecodeGraph:
-    """One captured decode step over static input buffers; `run` copies inputs in and replays."""
+    """One decode step over static input buffers, captured on the backend's capture stream; `run` copies
+    inputs in and replays."""
 
     def __init__(self, backend: TorchBackend, batch: int, num_full_pages: int) -> None:
+        self.backend, self.num_full_pages = backend, num_full_pages
         device = backend.device
         self.token_ids = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.rows = torch.full((batch,), backend.max_batch, dtype=torch.long, device=device)
-        step = lambda: backend.decode_step(self.token_ids, self.positions, self.rows, num_full_pages)  # noqa: E731
-        stream = torch.cuda.Stream()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def step(self) -> torch.Tensor:
+        return self.backend.decode_step(self.token_ids, self.positions, self.rows, self.num_full_pages)
+
+    def warm_up(self) -> None:
+        """Two eager steps on the capture stream (allocator, lazy kernels, cuBLAS state of that stream)."""
+        stream = self.backend.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator, lazy kernels)
-                step()
+            for _ in range(2):
+                self.step()
         torch.cuda.current_stream().wait_stream(stream)
+
+    def capture(self) -> None:
+        """Capture one step; on failure undo what the capture left behind, then raise."""
+        backend = self.backend
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=backend.graph_pool):
-            self.logits = step()
+        gc.collect()  # dead graphs are destroyed now, not by a collection in the middle of the capture
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=backend.graph_pool, stream=backend.capture_stream):
+                self.logits = self.step()
+        except BaseException:
+            self.graph.reset()
+            self.graph = None
+            try:
+                reset_capturing_generator(backend.device)
+            except Exception:  # keep the capture's own error; say that random ops may now fail
+                log.exception("the default CUDA generator could not be reset after a failed capture")
+            raise
+        finally:
+            if collecting:
+                gc.enable()
         backend.graph_pool = self.graph.pool()
 
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -245,3 +278,12 @@ class _DecodeGraph:
         self.rows.copy_(rows)
         self.graph.replay()
         return self.logits
+
+
+def reset_capturing_generator(device: torch.device) -> None:
+    """After a failed capture: give the device's default CUDA generator a copy of its state that is not
+    capturing. The capture began its capture bookkeeping and never ended it, and torch (2.11) then refuses
+    every later random op on the default generator ("Offset increment outside graph capture")."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())

@@ -1,7 +1,8 @@
 """On the H200: `backend = megakernel` (what auto picks once MEGAKERNEL_VALIDATED) runs the tiny bf16 checkpoint, the engine serves a
-batch through it, and a failed step rebuilds the megakernel backend (kernel library, scratch, pools) and
-goes on. Numerics are checked elsewhere (test_megakernel_decode.py, test_megakernel_backend.py); this
-checks the engine plumbing around the chosen backend."""
+batch through it, pipelined (launch_decode), and a failed step rebuilds the megakernel backend (kernel library,
+scratch, pools) and goes on, pipelined again. Numerics are checked elsewhere (test_megakernel_decode.py,
+test_megakernel_backend.py, test_megakernel_backend_gpu.py); this checks the engine plumbing around the
+chosen backend."""
 
 from __future__ import annotations
 
@@ -34,18 +35,24 @@ def test_auto_runs_the_megakernel_in_the_engine_and_restarts_it(tiny_checkpoint)
     try:
         stats = engine.stats()
         assert stats["backend"] == "megakernel" and engine.backend.name == "megakernel", stats["backend_reason"]
+        assert engine._pipelined()  # greedy requests: step n+1 is launched before step n is read
         first = asyncio.run(run_all("a"))
         assert all(outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 24 for outs in first)
-        real_decode = engine.backend.decode
+        backend = engine.backend
+        real_step = backend.launch_step  # the model step of decode and launch_decode
 
-        def broken(batch):
-            engine.backend.decode = real_decode
+        def broken(batch, inputs, want_logits):
+            backend.launch_step = real_step  # fail once
             raise RuntimeError("megakernel: step failed: injected")
 
-        engine.backend.decode = broken
+        backend.launch_step = broken
         failed = asyncio.run(run_all("b"))
-        assert any(outs[-1].finish_reason == "error" for outs in failed)
-        assert engine.stats()["restarts"] == 1 and engine.backend.name == "megakernel"
+        assert any(outs[-1].finish_reason == "error" and "injected" in outs[-1].error for outs in failed)
+        for _ in range(3000):  # the errors go out before the backend is rebuilt
+            if engine.stats()["restarts"] == 1:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert engine.stats()["restarts"] == 1 and engine.backend.name == "megakernel" and engine._pipelined()
         again = asyncio.run(run_all("c"))
         assert all(outs[-1].finish_reason == "length" for outs in again)
         assert engine.stats()["pages_used"] == 0 and engine.stats()["fatal_error"] is None

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 def test_backend_matches_the_torch_backend() -> None:
     from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
-    from northcode.engine.megakernel import MegakernelBackend
+    from northcode.engine.megakernel_backend import MegakernelBackend
     from northcode.engine.request import SamplingParams
     from northcode.engine.sampling import SamplingRow
     from northcode.engine.synthetic import preset_config, random_weights

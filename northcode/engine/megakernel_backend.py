@@ -1,0 +1,174 @@
+"""MegakernelBackend: backend.py's protocol, decode in the megakernel (megakernel.py), prefill in a TorchBackend.
+
+A step of B rows is ceil(B / 8) kernel launches on one stream; each copies its sampled tokens out of the
+kernel's io buffer (the next launch overwrites it) into the step's device int32 [B + 4]: tokens, then the
+kernel's sticky status words. `launch_decode` feeds carried rows from the previous step's tensor (one gather
+on the device), or leaves them in the io buffer when rows 0..B-1 of a one-launch step go on in place; the
+tensor goes to pinned memory without a wait, and `result()` waits on an event, then raises on a failed status.
+`decode` is the same launches fed from the host (plus logits for the engine's Sampler), then the same wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from northcode.config import ModelConfig
+from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch
+from northcode.engine.megakernel import (MAX_BATCH, PAGE_SIZE, STATUS_MESSAGES, Megakernel, RowSpec,
+                                         unsupported_reason)
+from northcode.engine.request import SamplingParams
+from northcode.engine.torch_backend import TorchBackend
+from northcode.engine.torch_launch import carried_tokens, check_launchable, to_device
+
+KernelFactory = Callable[[TorchBackend], Megakernel]  # the kernel over the prefiller's pools and block tables
+
+
+def unavailable_reason(config: ModelConfig, page_size: int, needs_hopper: bool = True) -> str | None:
+    """Why the megakernel backend cannot run this model here, or None."""
+    if page_size != PAGE_SIZE:
+        return f"page_size {page_size} (the kernel's pages hold {PAGE_SIZE} tokens)"
+    reason = unsupported_reason(config)
+    if reason is None and needs_hopper and not (torch.cuda.is_available()
+                                                and torch.cuda.get_device_capability() == (9, 0)):
+        reason = "it needs a Hopper GPU (sm_90)"
+    return reason
+
+
+def row_spec(batch: DecodeBatch, b: int) -> RowSpec:
+    """The kernel's row state of batch row b: its position and block-table row, and how to sample it."""
+    if not batch.sample:
+        return RowSpec(position=batch.positions[b], seq=batch.rows[b])
+    row = batch.sampling[b]
+    params = row.params
+    return RowSpec(position=batch.positions[b], seq=batch.rows[b], step=len(row.output_ids), seed=row.seed,
+                   temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
+                   top_p=params.top_p, min_p=params.min_p)
+
+
+def raise_for_status(status: list[int], kernel: Megakernel) -> None:
+    """RuntimeError when the kernel's status words report a failure; the status is reset first (as
+    Megakernel.check does), so that later steps of this kernel run."""
+    if status[0] != 0:
+        kernel.io[MAX_BATCH:].zero_()
+        message = STATUS_MESSAGES.get(status[0], "unknown failure {0} {1}").format(status[1], status[2])
+        raise RuntimeError(f"megakernel: step failed: {message}")
+
+
+@dataclass(slots=True)
+class _Carried:
+    tokens: torch.Tensor  # device int32 [B_prev]: what the last launch sampled (what carry indexes)
+    in_io: bool  # they are also still in the kernel's io buffer, rows 0..B_prev-1 (one launch, none since)
+
+
+class LaunchedKernelStep:
+    """backend.py's PendingDecode of one step: its tokens and status on their way to the host."""
+
+    def __init__(self, out: torch.Tensor, num_rows: int, kernel: Megakernel) -> None:
+        """out: device int32 [num_rows + status words], written by kernels enqueued and maybe not yet run."""
+        self._num_rows, self._kernel = num_rows, kernel
+        self._host, self._done = out, None
+        if out.device.type == "cuda":
+            self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self._host.copy_(out, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()  # on the current stream, after the launches and the copy
+
+    def result(self) -> DecodeResult:
+        """Wait for the copy (cudaEventSynchronize releases the GIL); the tokens, or RuntimeError."""
+        if self._done is not None:
+            self._done.synchronize()
+        values = self._host.tolist()
+        raise_for_status(values[self._num_rows:], self._kernel)
+        return DecodeResult(values[:self._num_rows], None)
+
+
+class MegakernelBackend:
+    """Decode in the megakernel, 8 rows per launch; prefill in a TorchBackend sharing the KV pools and the
+    device block tables. Samples on the device (no penalties, no logprobs); otherwise returns logits for
+    the engine's Sampler. kernel_factory (tests): builds the kernel instead of Megakernel, on any device."""
+
+    name = "megakernel"
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], num_pages: int, page_size: int,
+                 max_batch: int, max_pages_per_seq: int, cuda_graphs: bool = True,
+                 kernel_factory: KernelFactory | None = None) -> None:
+        """cuda_graphs is not used: a decode step is ceil(B / 8) kernel launches, and prefill runs eagerly."""
+        reason = unavailable_reason(config, page_size, needs_hopper=kernel_factory is None)
+        if reason:
+            raise ValueError(f"engine setting backend = 'megakernel': {reason}")
+        self.max_batch = max_batch
+        self.prefiller = TorchBackend(config, weights, num_pages, page_size, max_batch, max_pages_per_seq,
+                                      cuda_graphs=False)  # prefill only: decode graphs would be unused
+        self.k_pool, self.v_pool, self.device = self.prefiller.k_pool, self.prefiller.v_pool, self.prefiller.device
+        self.kernel = (kernel_factory(self.prefiller) if kernel_factory is not None
+                       else Megakernel(config, weights, self.k_pool, self.v_pool, self.prefiller.tables))
+        self._carried: _Carried | None = None  # the last launch_decode's tokens
+
+    def can_sample(self, params: SamplingParams) -> bool:
+        return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
+                and params.logprobs is None)
+
+    def prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        return self.prefiller.prefill(batch)
+
+    def warm_up(self) -> None:
+        """Build the task lists of every launch size at the shortest context before serving (a first build
+        uploads them with a synchronising copy); longer contexts build theirs on first use."""
+        for rows in range(1, min(self.max_batch, MAX_BATCH) + 1):
+            self.kernel.schedule(rows, 0)
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch) -> DecodeResult:
+        """One step fed from the host; waits for it. Logits [B, V] fp32 when asked (copied per launch)."""
+        self._carried = None  # the io buffer now holds this step's tokens: a later launch carries nothing
+        inputs = to_device(torch.tensor(batch.token_ids, dtype=torch.int32), self.device)  # [B]
+        out, logits = self.launch_step(batch, inputs, batch.return_logits)
+        tokens = LaunchedKernelStep(out, len(batch.rows), self.kernel).result().token_ids
+        return DecodeResult(tokens if batch.sample else None, logits)
+
+    @torch.inference_mode()
+    def launch_decode(self, batch: DecodeBatch, carry: list[int]) -> LaunchedKernelStep:
+        """Enqueue one step and return without reading the device. carry[b] >= 0: row b feeds the token that
+        row carry[b] of the previous launch sampled."""
+        previous = self._carried
+        check_launchable(batch, carry, None if previous is None else previous.tokens.shape[0])
+        inputs = None  # every row feeds the token the kernel left in its io buffer
+        if not self._goes_on_in_place(carry):
+            inputs = carried_tokens(batch.token_ids, carry, None if previous is None else previous.tokens,
+                                    self.device)  # device long [B]
+        num_rows = len(batch.rows)
+        self._carried = None  # until this launch is enqueued whole (a launch that raises leaves nothing to carry)
+        out, _ = self.launch_step(batch, inputs, want_logits=False)
+        self._carried = _Carried(out[:num_rows], in_io=num_rows <= MAX_BATCH)
+        return LaunchedKernelStep(out, num_rows, self.kernel)
+
+    def _goes_on_in_place(self, carry: list[int]) -> bool:
+        """Row b feeds what row b of the previous launch sampled, for every row of a one-launch step whose
+        previous step was one launch too: those tokens are still in the kernel's io buffer."""
+        previous = self._carried
+        return (previous is not None and previous.in_io and len(carry) <= MAX_BATCH
+                and carry == list(range(len(carry))))
+
+    def launch_step(self, batch: DecodeBatch, inputs: torch.Tensor | None,
+                    want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launch the step, MAX_BATCH rows at a time, on the current stream; nothing waits. inputs: device
+        [B] token ids, or None to feed rows 0..B-1 (B <= 8) what the kernel's io buffer holds. Returns the
+        device int32 [B + status words] tokens-and-status, and the logits [B, V] fp32 when asked. The model
+        step of both decode and launch_decode: where tests inject hangs and failures."""
+        num_rows, kernel = len(batch.rows), self.kernel
+        assert num_rows > 0 and (inputs is not None or num_rows <= MAX_BATCH), "nothing to feed the launch"
+        self.prefiller._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
+        status = kernel.io[MAX_BATCH:]
+        out = torch.empty(num_rows + status.numel(), dtype=torch.int32, device=self.device)
+        logits = []
+        for start in range(0, num_rows, MAX_BATCH):
+            end = min(num_rows, start + MAX_BATCH)
+            kernel.step([row_spec(batch, b) for b in range(start, end)], None if inputs is None else inputs[start:end])
+            out[start:end].copy_(kernel.tokens[:end - start])  # the next launch overwrites the io buffer
+            if want_logits:
+                logits.append(kernel.logits[:end - start].clone())
+        out[num_rows:].copy_(status)
+        return out, torch.cat(logits) if want_logits else None

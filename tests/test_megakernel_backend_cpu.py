@@ -1,0 +1,339 @@
+"""MegakernelBackend's bookkeeping on the CPU (megakernel_backend.py), over FakeMegakernel: the kernel's Python
+interface (step, io, tokens, logits, schedule; sticky status) computed by the torch decode step on the shared
+pools and sampled by torch_launch.sample_on_device, so its tokens are TorchBackend's. What this checks: rows
+cut into launches of 8, carried tokens (gathered, or left in the io buffer), rows that join, leave and
+reorder, draw numbers, logits for the engine's Sampler, status failures raised when a step is read, and the
+Engine pipelining over it with the torch engine's outputs. The real kernel: tests/gpu/test_megakernel_backend_gpu.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import torch
+
+from northcode.engine.checkpoint import load_checkpoint
+from northcode.engine.engine import Engine
+from northcode.engine.kv_cache import KVCacheManager
+from northcode.engine.megakernel import MAX_BATCH, PAGE_SIZE, RowSpec
+from northcode.engine.megakernel_backend import MegakernelBackend
+from northcode.engine.pipeline import IN_FLIGHT
+from northcode.engine.request import SamplingParams
+from northcode.engine.sampling import SamplingRow
+from northcode.engine.settings import EngineSettings
+from northcode.engine.tokenizer import Tokenizer
+from northcode.engine.torch_backend import TorchBackend
+from northcode.engine.torch_launch import sample_on_device
+from tests.test_engine import greedy, prompt_of, run, tokens_of
+from tests.test_torch_backend import SAMPLING, launch_batch, prefill
+
+ROWS, MAX_PAGES, NUM_PAGES = 11, 8, 120  # 11 rows: steps of two launches (8 + 3)
+
+
+class FakeMegakernel:
+    """Megakernel's interface in torch on the CPU. Like the kernel: a launch holds 1..MAX_BATCH rows, feeds
+    io[b] (the tokens given, else what io holds: the last launch's samples) and writes its samples there; a
+    failure sets the sticky status (io[8:12]: code, detail, detail) and later launches compute nothing."""
+
+    def __init__(self, prefiller: TorchBackend, fail_at: int | None = None) -> None:
+        self.backend, self.fail_at = prefiller, fail_at  # fail_at: the launch that reports a hang
+        self.io = torch.zeros(MAX_BATCH + 4, dtype=torch.int32)
+        self.logits = torch.zeros(MAX_BATCH, prefiller.config.vocab_size)
+        self.launches: list[tuple[list[int], bool]] = []  # (block-table rows, fed from io) per launch
+        self.schedules: set[tuple[int, int]] = set()
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.io[:MAX_BATCH]
+
+    def schedule(self, batch: int, context: int) -> None:
+        self.schedules.add((batch, context))
+
+    def step(self, rows: list[RowSpec], tokens: torch.Tensor | None = None) -> None:
+        n, vocab = len(rows), self.logits.shape[1]
+        assert 1 <= n <= MAX_BATCH, n
+        if tokens is not None:
+            self.tokens[:n].copy_(tokens.to(torch.int32))
+        self.launches.append(([r.seq for r in rows], tokens is None))
+        inputs = self.tokens[:n].tolist()
+        if len(self.launches) - 1 == self.fail_at:
+            self._report(1, 7, 9)
+        for b, token in enumerate(inputs):
+            if not 0 <= token < vocab:
+                self._report(4, b, token)
+        if self.io[MAX_BATCH] != 0:  # an aborted step skips its work
+            return
+        positions = torch.tensor([r.position for r in rows])
+        pages = -(-(max(r.position for r in rows) + 1) // PAGE_SIZE)
+        logits = self.backend.decode_step(torch.tensor(inputs), positions, torch.tensor([r.seq for r in rows]), pages)
+        rows_params = [SamplingRow(SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                                  min_p=r.min_p), r.seed, [], [IN_FLIGHT] * r.step) for r in rows]
+        self.logits[:n] = logits
+        self.tokens[:n] = sample_on_device(logits, rows_params).to(torch.int32)
+
+    def _report(self, code: int, a: int, b: int) -> None:
+        if self.io[MAX_BATCH] == 0:
+            self.io[MAX_BATCH:MAX_BATCH + 3] = torch.tensor([code, a, b], dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint, dtype=torch.float32)
+
+
+def fake_backend(config, weights, fail_at: int | None = None) -> MegakernelBackend:
+    return MegakernelBackend(config, weights, NUM_PAGES, PAGE_SIZE, ROWS, MAX_PAGES,
+                             kernel_factory=lambda prefiller: FakeMegakernel(prefiller, fail_at))
+
+
+def prefilled(backend, config, prompts):
+    kv = KVCacheManager(config, NUM_PAGES, PAGE_SIZE, ROWS, MAX_PAGES)
+    for row, prompt in enumerate(prompts):
+        prefill(kv, backend, row, prompt, 0, len(prompt) - 1)
+    return kv
+
+
+# row orders of consecutive steps: 8 rows, the same again (fed in place), rows 8-10 join (two launches), the
+# same (gathered), the first four (gathered: the io buffer holds the second launch's rows), a reorder with
+# rows back whose tokens the host read, three rows, the same three (in place), row 9 back, a reorder of two
+ORDERS = [list(range(8)), list(range(8)), list(range(11)), list(range(11)), [0, 1, 2, 3], [10, *range(9)],
+          [0, 1, 2], [0, 1, 2], [0, 1, 2, 9], [9, 0]]
+
+
+def setup_rows(config):
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
+               for n in (5, 30, 64, 65, 100, 17, 128, 31, 40, 3, 70)]  # crossing pages and the window of 32
+    params = [SAMPLING[r % len(SAMPLING)] for r in range(ROWS)]
+    return prompts, lambda r, outputs: SamplingRow(params[r], 100 + r, prompts[r], outputs)
+
+
+def decoded(backend, config) -> list[list[int]]:
+    """Each row's tokens over ORDERS, every step fed from the host by decode."""
+    prompts, sampling = setup_rows(config)
+    kv = prefilled(backend, config, prompts)
+    outputs: list[list[int]] = [[] for _ in range(ROWS)]
+    for order in ORDERS:
+        batch = launch_batch(kv, order, [(prompts[r] + outputs[r])[-1] for r in order],
+                             [len(prompts[r]) + len(outputs[r]) - 1 for r in order],
+                             [sampling(r, outputs[r]) for r in order])
+        for r, token in zip(order, backend.decode(batch).token_ids):
+            outputs[r].append(token)
+    return outputs
+
+
+def launched(backend, config, launching=contextlib.nullcontext) -> list[list[int]]:
+    """The same by launch_decode, pipelined as the engine does: launch n+1, then read n (each launch inside
+    `launching()`: the GPU test refuses host syncs there)."""
+    prompts, sampling = setup_rows(config)
+    kv = prefilled(backend, config, prompts)
+    read: list[list[int]] = [[] for _ in range(ROWS)]
+    drawn = [0] * ROWS  # tokens sampled per row, read or not
+    previous, pending = [], None
+    for order in ORDERS + [None]:
+        if order is not None:
+            carry = [previous.index(r) if r in previous else -1 for r in order]
+            fed = [-1 if c >= 0 else (prompts[r] + read[r])[-1] for r, c in zip(order, carry)]
+            batch = launch_batch(kv, order, fed,
+                                 [len(prompts[r]) + drawn[r] - 1 for r in order],
+                                 [sampling(r, read[r] + [IN_FLIGHT] * (drawn[r] - len(read[r]))) for r in order])
+            with launching():
+                launch = backend.launch_decode(batch, carry)
+        if pending is not None:
+            for r, token in zip(previous, pending.result().token_ids):
+                read[r].append(token)
+        if order is not None:
+            for r in order:
+                drawn[r] += 1
+            previous, pending = order, launch
+    return read
+
+
+def test_launches_carry_chunk_and_reorder_rows_as_host_fed_decode_and_the_torch_backend(tiny):
+    config, weights = tiny
+    reference = decoded(TorchBackend(config, weights, NUM_PAGES, PAGE_SIZE, ROWS, MAX_PAGES), config)
+    host_fed = decoded(fake_backend(config, weights), config)
+    backend = fake_backend(config, weights)
+    pipelined = launched(backend, config)
+    assert pipelined == host_fed == reference
+    assert [len(o) for o in reference] == [sum(r in order for order in ORDERS) for r in range(ROWS)]
+    assert any(len(set(o)) > 1 for o, p in zip(reference, SAMPLING * 2) if not p.is_greedy)
+    sizes = [(len(rows), in_place) for rows, in_place in backend.kernel.launches]
+    # steps 2 and 8 feed in place; 11-row steps are a launch of 8 and one of 3
+    assert sizes == [(8, False), (8, True), (8, False), (3, False), (8, False), (3, False), (4, False), (8, False),
+                     (2, False), (3, False), (3, True), (4, False), (2, False)]
+    assert backend.kernel.launches[7][0] == [10, *range(7)] and backend.kernel.launches[8][0] == [7, 8]
+
+
+def test_decode_returns_logits_of_every_launch_in_row_order(tiny):
+    config, weights = tiny
+    prompts, sampling = setup_rows(config)
+    results = []
+    torch_backend = TorchBackend(config, weights, NUM_PAGES, PAGE_SIZE, ROWS, MAX_PAGES)
+    for backend in (torch_backend, fake_backend(config, weights)):
+        kv = prefilled(backend, config, prompts)
+        order = [3, 10, 0, 9, 1, 8, 2, 7, 4, 6, 5]
+        batch = launch_batch(kv, order, [prompts[r][-1] for r in order], [len(prompts[r]) - 1 for r in order],
+                             [sampling(r, []) for r in order])
+        batch.sample, batch.return_logits = False, True  # what the engine asks for penalties or logprobs
+        results.append(backend.decode(batch))
+    assert results[1].token_ids is None
+    torch.testing.assert_close(results[1].logits, results[0].logits, rtol=1e-4, atol=1e-4)  # GEMMs of 8 vs 11 rows
+
+
+def test_a_failed_status_raises_when_its_step_is_read_and_is_reset(tiny):
+    config, weights = tiny
+    backend = fake_backend(config, weights, fail_at=2)
+    prompts, sampling = setup_rows(config)
+    kv = prefilled(backend, config, prompts)
+    greedy_row = SamplingRow(SamplingParams(temperature=0.0), 0, prompts[0], [])
+    first = launch_batch(kv, [0], [prompts[0][-1]], [len(prompts[0]) - 1], [greedy_row])
+    pending = [backend.launch_decode(first, [-1])]
+    for step in range(1, 4):  # launch 2 fails (a hang); launch 3 runs after it, aborted
+        row = SamplingRow(SamplingParams(temperature=0.0), 0, prompts[0], [IN_FLIGHT] * step)
+        pending.append(backend.launch_decode(launch_batch(kv, [0], [-1], [len(prompts[0]) - 1 + step], [row]), [0]))
+    assert len(pending[0].result().token_ids) == len(pending[1].result().token_ids) == 1
+    with pytest.raises(RuntimeError, match=r"megakernel: step failed: a dependency wait timed out \(counter 7, "
+                                           r"target 9\): the step hung"):
+        pending[2].result()
+    assert backend.kernel.io[MAX_BATCH:].tolist() == [0, 0, 0, 0]  # reset: later steps run
+    vocab = config.vocab_size
+    bad = launch_batch(kv, [1], [vocab + 5], [len(prompts[1]) - 1], [sampling(1, [])])
+    with pytest.raises(RuntimeError, match=f"row 0: token id {vocab + 5} is outside the vocabulary"):
+        backend.decode(bad)
+    good = launch_batch(kv, [1], [prompts[1][-1]], [len(prompts[1]) - 1], [sampling(1, [])])
+    assert len(backend.decode(good).token_ids) == 1
+
+
+def test_launch_refuses_what_it_cannot_run(tiny):
+    config, weights = tiny
+    backend = fake_backend(config, weights)
+    prompts, sampling = setup_rows(config)
+    kv = prefilled(backend, config, prompts)
+    row = SamplingRow(SamplingParams(temperature=0.0), 0, prompts[0], [])
+    with pytest.raises(ValueError, match=r"carry\[0\] = 0, but the previous launch had 0 rows"):
+        backend.launch_decode(launch_batch(kv, [0], [-1], [len(prompts[0]) - 1], [row]), [0])
+    penalised = SamplingRow(SamplingParams(repetition_penalty=1.3), 0, prompts[0], [])
+    with pytest.raises(ValueError, match="row 0 asks for penalties or logprobs"):
+        backend.launch_decode(launch_batch(kv, [0], [5], [len(prompts[0]) - 1], [penalised]), [-1])
+    backend.launch_decode(launch_batch(kv, [0], [5], [len(prompts[0]) - 1], [row]), [-1]).result()
+    backend.decode(launch_batch(kv, [0], [6], [len(prompts[0])], [row]))  # host-fed: nothing left to carry
+    with pytest.raises(ValueError, match="the previous launch had 0 rows"):
+        backend.launch_decode(launch_batch(kv, [0], [-1], [len(prompts[0]) + 1], [row]), [0])
+    assert not backend.can_sample(SamplingParams(logprobs=2)) and backend.can_sample(SamplingParams(top_p=0.5))
+    backend.warm_up()
+    assert backend.kernel.schedules == {(b, 0) for b in range(1, MAX_BATCH + 1)}
+
+
+# --- the Engine over it ---
+
+ENGINE_SETTINGS = dict(page_size=PAGE_SIZE, chunk_size=512, device="cpu", seed=0, max_batch=12)
+
+
+def engine_over(checkpoint, build) -> Engine:
+    config, weights = load_checkpoint(checkpoint, dtype=torch.float32)
+    return Engine(config, weights, Tokenizer.from_dir(checkpoint), EngineSettings(**ENGINE_SETTINGS),
+                  backend_factory=build)
+
+
+def fake_kernel_engine(checkpoint, fail_first_at: int | None = None) -> Engine:
+    built = []
+
+    def build(config, weights, s, num_pages, max_pages):
+        fail_at = fail_first_at if not built else None
+        built.append(MegakernelBackend(config, weights, num_pages, s.page_size, s.max_batch, max_pages,
+                                       kernel_factory=lambda prefiller: FakeMegakernel(prefiller, fail_at)))
+        return built[-1]
+    return engine_over(checkpoint, build)
+
+
+def torch_engine(checkpoint) -> Engine:
+    return engine_over(checkpoint, lambda config, weights, s, num_pages, max_pages: TorchBackend(
+        config, weights, num_pages, s.page_size, s.max_batch, max_pages))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    both = fake_kernel_engine(tiny_checkpoint), torch_engine(tiny_checkpoint)
+    yield both
+    for engine in both:
+        engine.shutdown()
+
+
+def outcome(outputs) -> tuple:
+    return tokens_of(outputs), outputs[-1].finish_reason, outputs[-1].stop_reason
+
+
+def requests_of_twelve():
+    sampled = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+               SamplingParams(max_tokens=14, temperature=1.2, top_k=20, seed=6, ignore_eos=True)]
+    greedy_lengths = [(3, 12), (10, 12), (17, 4), (30, 12), (41, 7), (55, 12), (64, 12), (90, 1), (99, 12), (130, 9)]
+    return [(prompt_of(n, salt=3), greedy(m)) for n, m in greedy_lengths] + \
+        [(prompt_of(20 + i, salt=4), p) for i, p in enumerate(sampled)]
+
+
+def test_the_engine_pipelines_twelve_requests_over_the_kernel_with_the_torch_engines_outputs(engines):
+    fake, reference = engines
+    assert fake.backend.name == "megakernel" and fake._pipelined()
+    requests = requests_of_twelve()
+    backend, steps = fake.backend, []
+    own = backend.launch_decode
+
+    def counted(batch, carry):
+        steps.append((len(carry), sum(c >= 0 for c in carry)))
+        return own(batch, carry)
+
+    backend.launch_decode, before = counted, len(backend.kernel.launches)
+    try:
+        got = run(fake, requests)
+    finally:
+        backend.launch_decode = own
+    assert max(rows for rows, _ in steps) > MAX_BATCH and sum(carried for _, carried in steps) > 8 * len(steps) // 2
+    assert any(in_place for _, in_place in backend.kernel.launches[before:])  # rows fed from the io buffer
+    assert [outcome(o) for o in got] == [outcome(o) for o in run(reference, requests)]
+    assert [outcome(o) for o in got] == [outcome(run(fake, [r])[0]) for r in requests]  # each alone
+    assert fake.stats()["pages_used"] == 0 and fake._launched is None
+
+
+def test_penalties_and_logprobs_arriving_mid_stream_decode_through_the_engines_sampler(engines):
+    fake, reference = engines
+    requests = requests_of_twelve()[:6]
+    late = [(prompt_of(9, salt=4), SamplingParams(max_tokens=8, temperature=0.8, seed=7, frequency_penalty=1.5,
+                                                  ignore_eos=True)),
+            (prompt_of(12, salt=5), greedy(6, logprobs=2))]
+
+    async def staggered(engine):  # the late ones arrive while the others decode pipelined
+        async def one(i, prompt, params):
+            return [out async for out in engine.generate(f"s{i}-{id(params)}", prompt, params)]
+        first = [asyncio.ensure_future(one(i, *r)) for i, r in enumerate(requests)]
+        await asyncio.sleep(0.05)
+        rest = await asyncio.gather(*[one(10 + i, *r) for i, r in enumerate(late)])
+        return [await f for f in first] + list(rest)
+
+    got, expected = asyncio.run(staggered(fake)), asyncio.run(staggered(reference))
+    assert [tokens_of(o) for o in got] == [tokens_of(o) for o in expected]
+    logprobs = [lp for out in got[-1] for lp in out.logprobs or []]
+    assert len(logprobs) == 6 and all(len(lp.top) == 2 for lp in logprobs)
+    assert fake.stats()["pages_used"] == 0
+
+
+def test_a_kernel_failure_read_with_its_step_ends_those_requests_and_the_engine_restarts(tiny_checkpoint, engines):
+    _, reference = engines
+    engine = fake_kernel_engine(tiny_checkpoint, fail_first_at=6)
+    try:
+        requests = [(prompt_of(n, salt=8), greedy(16)) for n in (5, 25, 45, 65)]
+        failed = run(engine, requests)
+        assert all(o[-1].finish_reason == "error" for o in failed)
+        assert "megakernel: step failed: a dependency wait timed out" in failed[0][-1].error
+        for _ in range(3000):  # the errors go out before the backend is rebuilt (gc, then a new backend)
+            if engine.stats()["restarts"] == 1:
+                break
+            time.sleep(0.01)
+        assert engine.stats()["restarts"] == 1 and engine.backend.name == "megakernel"
+        assert [outcome(o) for o in run(engine, requests)] == [outcome(o) for o in run(reference, requests)]
+        assert engine.stats()["pages_used"] == 0
+    finally:
+        engine.shutdown()
