@@ -25,8 +25,9 @@ def config():
 def test_auto_takes_the_megakernel_only_where_it_can_run(config):
     auto = EngineSettings()
     assert auto.backend == "auto"
-    chosen = choose_backend(config, auto, CUDA, BF16, **H200)
-    assert chosen.name == "torch" and "not yet passed its whole-step checks" in chosen.reason  # MEGAKERNEL_VALIDATED
+    chosen = choose_backend(config, auto, CUDA, BF16, validated=False, **H200)  # a kernel not yet checked
+    assert chosen.name == "torch" and "not yet passed its whole-step checks" in chosen.reason
+    assert choose_backend(config, auto, CUDA, BF16, **H200).name == "megakernel"  # MEGAKERNEL_VALIDATED
     chosen = choose_backend(config, auto, CUDA, BF16, validated=True, **H200)
     assert chosen.name == "megakernel" and chosen.reason.startswith("auto: sm_90")
     cases = {  # what differs from an H200 with nvcc -> the reason torch is taken
