@@ -38,8 +38,9 @@ class FakeMegakernel:
     io[b] (the tokens given, else what io holds: the last launch's samples) and writes its samples there; a
     failure sets the sticky status (io[8:12]: code, detail, detail) and later launches compute nothing."""
 
-    def __init__(self, prefiller: TorchBackend, fail_at: int | None = None) -> None:
+    def __init__(self, prefiller: TorchBackend, fail_at: int | None = None, draw_salt: int = 0) -> None:
         self.backend, self.fail_at = prefiller, fail_at  # fail_at: the launch that reports a hang
+        self.draw_salt = draw_salt  # not 0: draws differ from the Sampler's (the real kernel has its own noise)
         self.io = torch.zeros(MAX_BATCH + 4, dtype=torch.int32)
         self.logits = torch.zeros(MAX_BATCH, prefiller.config.vocab_size)
         self.launches: list[tuple[list[int], bool]] = []  # (block-table rows, fed from io) per launch
@@ -70,7 +71,8 @@ class FakeMegakernel:
         pages = -(-(max(r.position for r in rows) + 1) // PAGE_SIZE)
         logits = self.backend.decode_step(torch.tensor(inputs), positions, torch.tensor([r.seq for r in rows]), pages)
         rows_params = [SamplingRow(SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                                  min_p=r.min_p), r.seed, [], [IN_FLIGHT] * r.step) for r in rows]
+                                                  min_p=r.min_p), r.seed + self.draw_salt, [], [IN_FLIGHT] * r.step)
+                       for r in rows]
         self.logits[:n] = logits
         self.tokens[:n] = sample_on_device(logits, rows_params).to(torch.int32)
 
@@ -239,13 +241,14 @@ def engine_over(checkpoint, build) -> Engine:
                   backend_factory=build)
 
 
-def fake_kernel_engine(checkpoint, fail_first_at: int | None = None) -> Engine:
+def fake_kernel_engine(checkpoint, fail_first_at: int | None = None, draw_salt: int = 0) -> Engine:
     built = []
 
     def build(config, weights, s, num_pages, max_pages):
         fail_at = fail_first_at if not built else None
         built.append(MegakernelBackend(config, weights, num_pages, s.page_size, s.max_batch, max_pages,
-                                       kernel_factory=lambda prefiller: FakeMegakernel(prefiller, fail_at)))
+                                       kernel_factory=lambda prefiller: FakeMegakernel(prefiller, fail_at,
+                                                                                       draw_salt)))
         return built[-1]
     return engine_over(checkpoint, build)
 
@@ -334,6 +337,32 @@ def test_a_kernel_failure_read_with_its_step_ends_those_requests_and_the_engine_
             time.sleep(0.01)
         assert engine.stats()["restarts"] == 1 and engine.backend.name == "megakernel"
         assert [outcome(o) for o in run(engine, requests)] == [outcome(o) for o in run(reference, requests)]
+        assert engine.stats()["pages_used"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_seeded_request_draws_the_same_tokens_beside_a_penalised_one_as_alone(tiny_checkpoint):
+    """Issue 3: the same seed gives the same tokens whatever else is in the batch. A penalised request is
+    sampled by the engine's Sampler; the kernel must still sample the seeded one (its draws differ here)."""
+    engine = fake_kernel_engine(tiny_checkpoint, draw_salt=1)
+    try:
+        seeded = (prompt_of(20, salt=6), SamplingParams(max_tokens=12, temperature=1.2, seed=5, ignore_eos=True))
+        penalised = (prompt_of(24, salt=7), SamplingParams(max_tokens=12, temperature=0.8, seed=9,
+                                                           frequency_penalty=1.5, ignore_eos=True))
+        alone = tokens_of(run(engine, [seeded])[0])
+        decodes = []
+        own = engine.backend.decode
+
+        def recorded(batch):
+            decodes.append((len(batch.rows), batch.sample, batch.return_logits))
+            return own(batch)
+
+        engine.backend.decode = recorded
+        together = run(engine, [seeded, penalised])
+        assert tokens_of(together[0]) == alone
+        assert (2, True, True) in decodes  # the steps they shared: the kernel sampled, logits came back
+        assert len(set(alone)) > 1 and len(tokens_of(together[1])) == 12
         assert engine.stats()["pages_used"] == 0
     finally:
         engine.shutdown()

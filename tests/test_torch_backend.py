@@ -116,7 +116,7 @@ def test_padded_rows_touch_only_the_scratch_page_and_change_no_real_row(tiny):
     for row, seq in enumerate(seqs):
         prefill(kv, backend, row, seq, 0, len(seq) - 1)
         kv.allocate(row, len(seq))
-    backend._upload_tables(kv.block_tables, kv.version)
+    backend.upload_tables(kv.block_tables, kv.version)
     before = backend.kv_pool.clone()
     def step(tokens, positions, rows):
         return backend.decode_step(torch.tensor(tokens), torch.tensor(positions), torch.tensor(rows), 4)

@@ -1,8 +1,8 @@
 """The model backend interface: what the engine asks of the code that runs the model on the paged cache.
 
 Two implementations: `TorchBackend` (torch_backend.py: prefill and decode in PyTorch, CUDA graphs on a
-GPU) and the megakernel (megakernel.py: decode in one persistent kernel; it may hand prefill to a
-TorchBackend sharing its pools). A backend owns the device KV pools
+GPU) and `MegakernelBackend` (megakernel_backend.py: decode in one persistent kernel, megakernel.py;
+prefill in a TorchBackend sharing its pools). A backend owns the device KV pools
 (`k_pool, v_pool: [num_pages + 1, page_size, num_kv_heads, head_dim]`, the last page scratch for padded
 rows, layout in kv_cache.py) and a device copy of the block tables; the engine owns the host block tables
 (`int32 [num_layers, max_batch, max_pages_per_seq]`, -1 unmapped) and passes them with a version number
@@ -14,9 +14,10 @@ Protocol of one step (the engine calls these from its step thread, never concurr
      [num_chunks, V] of each chunk's last token (the engine samples only from chunks that end a prompt).
   2. `decode(DecodeBatch)`: row b feeds token_ids[b] at positions[b] (= tokens already cached), writes its
      K/V and returns a DecodeResult. When `batch.sample` is true the backend samples on the device and
-     returns token_ids (it is asked only when `can_sample` said yes for every row); when
-     `batch.return_logits` is true it also returns the logits [B, V] fp32 (after logit_scale, before any
-     penalty), which the engine uses for logprobs or to sample in PyTorch (sampling.Sampler).
+     returns token_ids for every row (asked when `can_sample` said yes for at least one row; the engine
+     keeps the tokens of those rows); when `batch.return_logits` is true it also returns the logits [B, V]
+     fp32 (after logit_scale, before any penalty), which the engine uses for logprobs and to sample in
+     PyTorch (sampling.Sampler) the rows `can_sample` refused.
 Seeded sampling must be reproducible per request whatever the batch: draw number n of a request uses
 noise derived from (seed, n) only (see sampling.noise_seed).
 Optional: `warm_up()`, called once before the first request (graph capture, kernel builds).

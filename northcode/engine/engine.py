@@ -15,8 +15,10 @@ backend is rebuilt (recovery.py), or, when the device is lost, `fatal_error` is 
 
 Pipelining (pipeline.py): with a backend that offers launch_decode, the step launches decode n+1 before
 it reads step n's tokens (rows feed the token they sampled from device memory), so the GPU does not wait
-while this thread detokenises, checks stops and schedules. TorchBackend launches itself
-(torch_launch.py; synchronously on the CPU); the megakernel backend does not yet offer launch_decode.
+while this thread detokenises, checks stops and schedules. Both backends offer it: TorchBackend
+(torch_launch.py; synchronously on the CPU) and MegakernelBackend (megakernel_backend.py). Unpipelined,
+the backend samples every row it can and the Sampler the rest (penalties), so a seed's tokens do not
+depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -112,6 +114,11 @@ def context_limit(config: ModelConfig, settings: EngineSettings, kv: KVCacheMana
         middle = (low + high + 1) // 2
         low, high = (middle, high) if kv.peak_pages(middle, settings.chunk_size) <= kv.pool.num_pages else (low, middle - 1)
     return low
+
+
+def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """logits [B, V] -> [len(index), V]: the rows picked (the tensor itself when that is every row in order)."""
+    return logits if index == list(range(logits.shape[0])) else logits[index]
 
 
 BackendFactory = Callable[[ModelConfig, dict, EngineSettings, int, int], ModelBackend]
@@ -370,25 +377,35 @@ class Engine(StepRecovery, PipelinedSteps):
         return list(zip(sequences, result.token_ids, result.logprobs))
 
     def _decode(self, plan: StepPlan) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """One decode step for every decoding row. The backend samples when it can sample every row;
-        logits come back only when needed (logprobs, or rows the backend cannot sample)."""
+        """One decode step for every decoding row. The backend samples every row it can (so a seeded request
+        draws the same tokens whatever shares its step: issue 3); the engine's Sampler samples the others from
+        the logits, which come back only when needed (logprobs, or rows the backend cannot sample)."""
         sequences = plan.decodes
         if not sequences:
             return []
         kv, rows = self.kv, self._rows(sequences)
-        on_device = all(self.backend.can_sample(s.params) for s in sequences)
+        on_device = [self.backend.can_sample(s.params) for s in sequences]
         want_logprobs = any(s.params.logprobs is not None for s in sequences)
         batch = DecodeBatch([s.row for s in sequences], [s.last_token for s in sequences],
-                            [s.num_computed for s in sequences], rows, sample=on_device,
-                            return_logits=want_logprobs or not on_device, block_tables=kv.block_tables,
+                            [s.num_computed for s in sequences], rows, sample=any(on_device),
+                            return_logits=want_logprobs or not all(on_device), block_tables=kv.block_tables,
                             tables_version=kv.version, tables_columns=kv.high_water)
         result = self.backend.decode(batch)
-        if on_device:
-            assert result.token_ids is not None, f"{self.backend.name} backend returned no tokens"
-            logprobs = self.sampler.logprobs(result.logits, rows, result.token_ids) if want_logprobs else [None] * len(rows)
-            return list(zip(sequences, result.token_ids, logprobs))
-        sample = self.sampler.sample(result.logits, rows)
-        return list(zip(sequences, sample.token_ids, sample.logprobs))
+        assert not batch.sample or result.token_ids is not None, f"{self.backend.name} backend returned no tokens"
+        tokens = list(result.token_ids) if batch.sample else [-1] * len(rows)
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        host = [b for b, ok in enumerate(on_device) if not ok]  # sampled here, with their penalties
+        if host:
+            sample = self.sampler.sample(_rows_of(result.logits, host), [rows[b] for b in host])
+            for b, token, logprob in zip(host, sample.token_ids, sample.logprobs):
+                tokens[b], logprobs[b] = token, logprob
+        scored = [b for b, ok in enumerate(on_device) if ok and rows[b].params.logprobs is not None]
+        if scored:  # logprobs of tokens the backend chose
+            found = self.sampler.logprobs(_rows_of(result.logits, scored), [rows[b] for b in scored],
+                                          [tokens[b] for b in scored])
+            for b, logprob in zip(scored, found):
+                logprobs[b] = logprob
+        return list(zip(sequences, tokens, logprobs))
 
     def _append(self, request: _Request, token: int, logprob: TokenLogprob | None, now: float) -> None:
         """Record one sampled token; emit its text (held back where a stop string may begin); finish."""

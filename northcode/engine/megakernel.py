@@ -4,8 +4,8 @@
 cache under paths.data_dir()/kernels keyed by a hash of source, geometry, flags and nvcc version;
 `Megakernel` owns the library, the scratch buffers and the per-(batch, splits) task lists
 (megakernel_tasks.py builds them), and launches one step per call on the current stream without
-waiting for it; `MegakernelBackend` is the engine's decode backend over it. Sampling happens on the
-device; this file never schedules requests and holds no engine state.
+waiting for it; megakernel_backend.py's `MegakernelBackend` is the engine's decode backend over it.
+Sampling happens on the device; this file never schedules requests and holds no engine state.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from northcode.engine.megakernel_variants import (FLAG_NO_KV_PRELOAD, FLAG_PREFE
 from northcode.engine.megakernel_tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, WAVE_ORDERS, Schedule,
                                                TaskType, attention_splits, build_schedule, flatten, make_task,
                                                place_waves, summarize_profile)
+from northcode.engine.torch_launch import to_device
 
 __all__ = ["FLAG_NO_KV_PRELOAD", "FLAG_PREFETCH_CURRENT", "FLAG_PREFETCH_NEXT", "VARIANTS",
            "Megakernel", "RowSpec", "Schedule", "Variant", "variant_from_env", "TaskType",
-           "attention_splits", "build_library",
+           "attention_splits", "build_library", "raise_for_status",
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
            "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS", "WAVE_ORDERS"]
 
@@ -46,6 +47,15 @@ MAX_BATCH = 8
 STATUS_MESSAGES = {1: "a dependency wait timed out (counter {0}, target {1}): the step hung",
                    2: "task {0} has an unknown type {1}", 3: "layer {0}, row {1}: a needed KV page is unmapped",
                    4: "row {0}: token id {1} is outside the vocabulary"}
+
+
+def raise_for_status(status: list[int], kernel) -> None:
+    """RuntimeError when the kernel's status words (code, detail, detail, ...) report a failure; the status
+    (kernel.io[MAX_BATCH:], sticky on the device) is reset first, so that later steps of the kernel run."""
+    if status[0] != 0:
+        kernel.io[MAX_BATCH:].zero_()
+        message = STATUS_MESSAGES.get(status[0], "unknown failure {0} {1}").format(status[1], status[2])
+        raise RuntimeError(f"megakernel: step failed: {message}")
 
 
 LAYER_PTR_NAMES = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -194,7 +204,10 @@ class Megakernel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], k_pool: torch.Tensor,
                  v_pool: torch.Tensor, block_tables: torch.Tensor, num_blocks: int | None = None,
-                 timeout_s: float = 20.0, variant: str = "default") -> None:
+                 timeout_s: float = 20.0, variant: str = "default", row_buffers: int = 8) -> None:
+        """row_buffers: pinned staging buffers of the row states, used in turn; a launch waits for the copy out
+        of the buffer it reuses (row_buffers launches back). Twice a step's launches: a step enqueued while the
+        previous one runs never waits."""
         from northcode.engine.model import rope_inv_freq
 
         self.config, self.device = config, k_pool.device
@@ -215,8 +228,8 @@ class Megakernel:
         self.set_variant(variant)
         self.trace_x = self.trace_router = None  # enable_trace() allocates them
         row_bytes = MAX_BATCH * struct.calcsize(ROW_FORMAT)
-        self._rows_host = [torch.zeros(row_bytes, dtype=torch.uint8).pin_memory() for _ in range(4)]
-        self._rows_copied = [torch.cuda.Event() for _ in range(4)]  # a pinned buffer is rewritten only after its copy
+        self._rows_host = [torch.zeros(row_bytes, dtype=torch.uint8).pin_memory() for _ in range(row_buffers)]
+        self._rows_copied = [torch.cuda.Event() for _ in range(row_buffers)]  # rewritten only after its copy
         self._rows_turn = 0
 
     def set_variant(self, name: str) -> None:
@@ -296,14 +309,15 @@ class Megakernel:
         p.num_pages, p.max_seqs, p.max_pages_per_seq = k_pool.shape[0], block_tables.shape[1], block_tables.shape[2]
 
     def schedule(self, batch: int, context: int) -> Schedule:
-        """The (cached) task lists for this batch size and longest context."""
+        """The (cached) task lists for this batch size and longest context; a new one goes up through pinned
+        memory without a sync (a longer context's first step does not stall the pipelined engine)."""
         splits = attention_splits(self.config, batch, self.num_blocks, context)
         v = self.variant
         key = (batch, splits, v)
         if key not in self._schedules:
             s = build_schedule(self.config, batch, self.num_blocks, splits, v.wave_order, v.qkv_tiles)
-            self._schedules[key] = Schedule(s.tasks.to(self.device), s.task_start.to(self.device), s.num_counters,
-                                            s.num_lm_tasks)
+            self._schedules[key] = Schedule(to_device(s.tasks, self.device), to_device(s.task_start, self.device),
+                                            s.num_counters, s.num_lm_tasks)
         return self._schedules[key]
 
     def set_rows(self, rows: list[RowSpec]) -> None:
@@ -368,8 +382,4 @@ class Megakernel:
 
     def check(self) -> None:
         """Synchronise and raise RuntimeError if the last step failed on the device (then reset the status)."""
-        status = self.io[MAX_BATCH:].tolist()
-        if status[0] != 0:
-            self.io[MAX_BATCH:].zero_()
-            message = STATUS_MESSAGES.get(status[0], "unknown failure {0} {1}").format(status[1], status[2])
-            raise RuntimeError(f"megakernel: step failed: {message}")
+        raise_for_status(self.io[MAX_BATCH:].tolist(), self)

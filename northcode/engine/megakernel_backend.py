@@ -17,8 +17,7 @@ import torch
 
 from northcode.config import ModelConfig
 from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch
-from northcode.engine.megakernel import (MAX_BATCH, PAGE_SIZE, STATUS_MESSAGES, Megakernel, RowSpec,
-                                         unsupported_reason)
+from northcode.engine.megakernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status, unsupported_reason
 from northcode.engine.request import SamplingParams
 from northcode.engine.torch_backend import TorchBackend
 from northcode.engine.torch_launch import carried_tokens, check_launchable, to_device
@@ -46,15 +45,6 @@ def row_spec(batch: DecodeBatch, b: int) -> RowSpec:
     return RowSpec(position=batch.positions[b], seq=batch.rows[b], step=len(row.output_ids), seed=row.seed,
                    temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
                    top_p=params.top_p, min_p=params.min_p)
-
-
-def raise_for_status(status: list[int], kernel: Megakernel) -> None:
-    """RuntimeError when the kernel's status words report a failure; the status is reset first (as
-    Megakernel.check does), so that later steps of this kernel run."""
-    if status[0] != 0:
-        kernel.io[MAX_BATCH:].zero_()
-        message = STATUS_MESSAGES.get(status[0], "unknown failure {0} {1}").format(status[1], status[2])
-        raise RuntimeError(f"megakernel: step failed: {message}")
 
 
 @dataclass(slots=True)
@@ -103,8 +93,10 @@ class MegakernelBackend:
         self.prefiller = TorchBackend(config, weights, num_pages, page_size, max_batch, max_pages_per_seq,
                                       cuda_graphs=False)  # prefill only: decode graphs would be unused
         self.k_pool, self.v_pool, self.device = self.prefiller.k_pool, self.prefiller.v_pool, self.prefiller.device
+        launches = -(-max_batch // MAX_BATCH)  # per step; two steps may be queued (the pipeline)
         self.kernel = (kernel_factory(self.prefiller) if kernel_factory is not None
-                       else Megakernel(config, weights, self.k_pool, self.v_pool, self.prefiller.tables))
+                       else Megakernel(config, weights, self.k_pool, self.v_pool, self.prefiller.tables,
+                                       row_buffers=max(8, 2 * launches)))
         self._carried: _Carried | None = None  # the last launch_decode's tokens
 
     def can_sample(self, params: SamplingParams) -> bool:
@@ -115,8 +107,8 @@ class MegakernelBackend:
         return self.prefiller.prefill(batch)
 
     def warm_up(self) -> None:
-        """Build the task lists of every launch size at the shortest context before serving (a first build
-        uploads them with a synchronising copy); longer contexts build theirs on first use."""
+        """Build the task lists of every launch size at the shortest context before serving (building one
+        takes host time); longer contexts build theirs on first use."""
         for rows in range(1, min(self.max_batch, MAX_BATCH) + 1):
             self.kernel.schedule(rows, 0)
 
@@ -160,7 +152,7 @@ class MegakernelBackend:
         step of both decode and launch_decode: where tests inject hangs and failures."""
         num_rows, kernel = len(batch.rows), self.kernel
         assert num_rows > 0 and (inputs is not None or num_rows <= MAX_BATCH), "nothing to feed the launch"
-        self.prefiller._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
+        self.prefiller.upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
         status = kernel.io[MAX_BATCH:]
         out = torch.empty(num_rows + status.numel(), dtype=torch.int32, device=self.device)
         logits = []

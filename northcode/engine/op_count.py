@@ -157,7 +157,7 @@ def decode_step_at(batch: int, context: int, config=None, device: str = "cpu", d
     for row in range(batch):
         kv.allocate(row, context + 1)
         kv.evict_behind_window(row, context)
-    backend._upload_tables(kv.block_tables, kv.version)
+    backend.upload_tables(kv.block_tables, kv.version)
     token_ids = torch.zeros(batch, dtype=torch.long, device=device)
     positions = torch.full((batch,), context, dtype=torch.long, device=device)
     rows = torch.arange(batch, device=device)

@@ -135,7 +135,7 @@ class TorchBackend:
             logits = logits * self.config.logit_scale
         return logits.float()
 
-    def _upload_tables(self, host_tables: torch.Tensor, version: int, high_water: int | None = None) -> None:
+    def upload_tables(self, host_tables: torch.Tensor, version: int, high_water: int | None = None) -> None:
         """Copy the host block tables when they changed; only the first high_water columns were ever set."""
         if version != self.tables_version:
             columns = self.max_pages_per_seq if high_water is None else high_water
@@ -148,7 +148,7 @@ class TorchBackend:
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         """Each chunk runs alone: its tokens attend to each other and to the row's cached pages."""
-        self._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
+        self.upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
         last_hidden = [self.prefiller.forward(to_device(torch.tensor(chunk.token_ids), self.device), chunk.start,
                                               chunk.row)[-1] for chunk in batch.chunks]
         return self.logits(torch.stack(last_hidden))
@@ -175,7 +175,7 @@ class TorchBackend:
     def decode_logits(self, batch: DecodeBatch, token_ids: torch.Tensor) -> torch.Tensor:
         """[B, V] fp32 logits of one decode step (in a CUDA graph on a GPU); token_ids: device long [B].
         The model step of both decode and launch_decode: where tests inject hangs and failures."""
-        self._upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
+        self.upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
         num_rows = len(batch.rows)
         bucket = min(next_power_of_two(num_rows), self.max_batch) if self.use_graphs else num_rows
         context_pages = -(-(max(batch.positions) + 1) // self.page_size)

@@ -169,7 +169,7 @@ def test_bf16_full_geometry_layers_match_the_reference_decoding_from_the_same_8k
     backend.moe_path = moe_path
     copy_into_pages(kv, backend, 0, cache, CONTEXT)
     kv.allocate(0, CONTEXT + 1)
-    backend._upload_tables(kv.block_tables, kv.version)
+    backend.upload_tables(kv.block_tables, kv.version)
     rows = torch.tensor([0], device="cuda")
     positions = torch.tensor([CONTEXT], device="cuda")
     cos, sin = rope_cos_sin(positions, model.inv_freq, model.dtype)  # [1, D]: the reference's
