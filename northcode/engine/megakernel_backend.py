@@ -20,7 +20,7 @@ from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch
 from northcode.engine.megakernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status, unsupported_reason
 from northcode.engine.request import SamplingParams
 from northcode.engine.torch_backend import TorchBackend
-from northcode.engine.torch_launch import carried_tokens, check_launchable, to_device
+from northcode.engine.torch_launch import LaunchedDecode, carried_tokens, check_launchable, to_device
 
 KernelFactory = Callable[[TorchBackend], Megakernel]  # the kernel over the prefiller's pools and block tables
 
@@ -53,24 +53,17 @@ class _Carried:
     in_io: bool  # they are also still in the kernel's io buffer, rows 0..B_prev-1 (one launch, none since)
 
 
-class LaunchedKernelStep:
+class LaunchedKernelStep(LaunchedDecode):
     """backend.py's PendingDecode of one step: its tokens and status on their way to the host."""
 
     def __init__(self, out: torch.Tensor, num_rows: int, kernel: Megakernel) -> None:
         """out: device int32 [num_rows + status words], written by kernels enqueued and maybe not yet run."""
+        super().__init__(out)
         self._num_rows, self._kernel = num_rows, kernel
-        self._host, self._done = out, None
-        if out.device.type == "cuda":
-            self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            self._host.copy_(out, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()  # on the current stream, after the launches and the copy
 
     def result(self) -> DecodeResult:
-        """Wait for the copy (cudaEventSynchronize releases the GIL); the tokens, or RuntimeError."""
-        if self._done is not None:
-            self._done.synchronize()
-        values = self._host.tolist()
+        """The tokens once copied, or RuntimeError when the kernel reported a failure."""
+        values = self.host_values()
         raise_for_status(values[self._num_rows:], self._kernel)
         return DecodeResult(values[:self._num_rows], None)
 

@@ -118,8 +118,12 @@ class LaunchedDecode:
             self._done = torch.cuda.Event()
             self._done.record()  # on the current stream, after the step and the copy
 
-    def result(self) -> DecodeResult:
-        """Wait for the copy (cudaEventSynchronize releases the GIL) and return the host token ids."""
+    def host_values(self) -> list[int]:
+        """Wait for the copy (cudaEventSynchronize releases the GIL); the copied values."""
         if self._done is not None:
             self._done.synchronize()
-        return DecodeResult(self._host.tolist(), None)
+        return self._host.tolist()
+
+    def result(self) -> DecodeResult:
+        """The host token ids, once copied."""
+        return DecodeResult(self.host_values(), None)
