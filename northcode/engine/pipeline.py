@@ -77,32 +77,6 @@ def read_tokens(step: LaunchedStep | None) -> list[tuple[Sequence, int]]:
     return kept
 
 
-class ImmediateDecode:
-    """A PendingDecode whose step already ran (backends that launch synchronously; the CPU)."""
-
-    def __init__(self, result: DecodeResult) -> None:
-        self._result = result
-
-    def result(self) -> DecodeResult:
-        return self._result
-
-
-class SynchronousLaunch:
-    """launch_decode for a backend whose decode synchronises: runs the step at once, feeding carried rows
-    the tokens the previous launch returned. Same outputs, no overlap: the reference for a device
-    implementation (TorchBackend.launch_decode), and what the watchdog tests drive the engine with."""
-
-    def __init__(self, backend) -> None:
-        self.backend = backend
-        self.last_tokens: list[int] = []
-
-    def __call__(self, batch: DecodeBatch, carry: list[int]) -> ImmediateDecode:
-        batch.token_ids = [token if c < 0 else self.last_tokens[c] for token, c in zip(batch.token_ids, carry)]
-        result = self.backend.decode(batch)
-        self.last_tokens = list(result.token_ids or [])
-        return ImmediateDecode(result)
-
-
 class PipelinedSteps:
     """Engine methods for the pipelined step (engine.py owns every attribute they use)."""
 
