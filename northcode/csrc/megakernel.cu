@@ -67,7 +67,7 @@ static_assert(kMaxBatch == 8, "the batch is the n8 operand of mma.m16n8k16");
 static_assert(kHidden % 32 == 0 && kQSize % 32 == 0 && kExpertWidth % 32 == 0 && kDenseWidth % 32 == 0,
               "every reduction dimension must be a multiple of 32 (one mma k-chunk pair)");
 static_assert(kHeadDim % 16 == 0 && kHeadDim % 8 == 0, "head_dim must be a multiple of 16");
-static_assert(kExpertWidth % 32 == 0 && kDenseWidth % 16 == 0 && kHidden % 64 == 0, "MoE claims: 32 channels, 64 rows");
+static_assert(kExpertWidth % 32 == 0 && kDenseWidth % 16 == 0 && kHidden % 64 == 0, "MoE tiles: 16 channels, 32 rows");
 static_assert(kHeads % kKvHeads == 0, "GQA group");
 static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
 
@@ -540,8 +540,8 @@ __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
 //   whole split is usually in shared memory when q arrives. Scores S[tok][head] = K q^T and the update
 //   O^T[d][head] += V^T P^T run on tensor cores (mma m16n8k16: K or V^T as the 16-row operand, the
 //   group's query heads as the 8 columns, fp32 accumulation); the online softmax is fp32 per query head,
-//   P is rounded to bf16 for the product (as a bf16 PyTorch path does). Outputs: the unnormalised O
-//   and (max, sum) per head to attn_partial / attn_ml.
+//   and P enters the product as two bf16 parts (hi + lo), so the output keeps fp32-like precision.
+//   Outputs: the unnormalised O and (max, sum) per head to attn_partial / attn_ml.
 constexpr int kKvRow = kHeadDim + 8;  // bf16 per shared row: +16 B keeps the fragment loads conflict-free
 constexpr int kStages = kHeadDim > 64 ? 5 : 8;  // KV pages in flight per task (35 KB each at head_dim 128)
 constexpr int kProbRow = kPage + 8;
@@ -554,7 +554,7 @@ struct KvStage {
 };
 struct AttnSmem {
   bf16 q[8][kKvRow];                 // the group's queries (rows >= kGroup are zero)
-  bf16 prob[8][kProbRow];            // this page's probabilities (rows >= kGroup are zero)
+  bf16 prob[2][8][kProbRow];         // this page's probabilities as bf16 hi + lo parts (rows >= kGroup: zero)
   float score[kGroup][kPage];        // this page's scaled scores (-inf outside the visible range)
   float m[8], l[8], alpha[8];
   KvStage kv[kStages];               // the ring, last: a launch with fewer stages allocates a prefix
@@ -664,8 +664,11 @@ __device__ __forceinline__ void attn_softmax(AttnSmem& s) {
       alpha = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
     }
     const float sum = warp_sum(p0 + p1);
-    s.prob[hq][lane] = __float2bfloat16_rn(p0);
-    s.prob[hq][lane + 32] = __float2bfloat16_rn(p1);
+    const bf16 hi0 = __float2bfloat16_rn(p0), hi1 = __float2bfloat16_rn(p1);
+    s.prob[0][hq][lane] = hi0;  // P = hi + lo to ~2^-16: the product keeps fp32-like precision in two bf16 mmas
+    s.prob[0][hq][lane + 32] = hi1;
+    s.prob[1][hq][lane] = __float2bfloat16_rn(p0 - to_f(hi0));
+    s.prob[1][hq][lane + 32] = __float2bfloat16_rn(p1 - to_f(hi1));
     if (lane == 0) {
       s.l[hq] = s.l[hq] * alpha + sum;
       s.m[hq] = m_new;
@@ -689,7 +692,8 @@ __device__ __forceinline__ void attn_pv(const AttnSmem& s, int stage, float (&ac
     const unsigned addr = (unsigned)__cvta_generic_to_shared(&s.kv[stage].v[k0 + row_in][col]);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(addr));
-    mma_bf16(acc, a0, a1, a2, a3, smem_u32(&s.prob[g][k0 + 2 * t]), smem_u32(&s.prob[g][k0 + 2 * t + 8]));
+    mma_bf16(acc, a0, a1, a2, a3, smem_u32(&s.prob[0][g][k0 + 2 * t]), smem_u32(&s.prob[0][g][k0 + 2 * t + 8]));
+    mma_bf16(acc, a0, a1, a2, a3, smem_u32(&s.prob[1][g][k0 + 2 * t]), smem_u32(&s.prob[1][g][k0 + 2 * t + 8]));
   }
 }
 
@@ -704,7 +708,7 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
     s.q[hq][d] = hq < kGroup && d < kHeadDim ? __ldcg(p.q + (size_t)b * kQSize + (kvh * kGroup + hq) * kHeadDim + d)
                                              : __float2bfloat16_rn(0.f);
   }
-  for (int i = threadIdx.x; i < 8 * kProbRow; i += kThreads) s.prob[i / kProbRow][i % kProbRow] = __float2bfloat16_rn(0.f);
+  for (int i = threadIdx.x; i < 2 * 8 * kProbRow; i += kThreads) (&s.prob[0][0][0])[i] = __float2bfloat16_rn(0.f);
   if (threadIdx.x < 8) {
     s.m[threadIdx.x] = -INFINITY;
     s.l[threadIdx.x] = 0.f;
@@ -939,6 +943,11 @@ struct MoeStream {  // one lane's view of a drain's weight stream: tile i of the
   uint4* ring;
 };
 
+// The tile index of the block's i-th tile, or -1 past its last.
+__device__ __forceinline__ int moe_tile_of(const MoeStream& st, int i) {
+  return i < st.count ? st.first + i * st.stride : -1;
+}
+
 // Rows of the tile's two 16-row matrices (A, B) and K, for tile index `tile` of the stream's kind.
 __device__ __forceinline__ void moe_tile_rows(const MoeStream& st, int tile, const bf16*& wa, const bf16*& wb) {
   if (st.up) {
@@ -955,12 +964,13 @@ __device__ __forceinline__ void moe_tile_rows(const MoeStream& st, int tile, con
 
 // Issues step q of the lane's stream into ring slot q % kMoeStages (nothing past the end) and commits a group.
 __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
-  if (st.steps > 0 && q < st.count * st.steps) {
+  const int tile = st.steps > 0 ? moe_tile_of(st, q / st.steps) : -1;
+  if (tile >= 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int K = st.up ? kHidden : kExpertWidth;
     const int c = warp + kWarps * (q % st.steps);
     const bf16 *wa, *wb;
-    moe_tile_rows(st, st.first + (q / st.steps) * st.stride, wa, wb);
+    moe_tile_rows(st, tile, wa, wb);
     uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
     cp_async16(slot, wa + lo);
@@ -1004,7 +1014,7 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   if (up) {  // round-robin
     const int total = slots * kUpTilesPerSlot;
     st.first = rank, st.stride = blocks, st.count = rank < total ? (total - rank + blocks - 1) / blocks : 0;
-  } else {  // contiguous
+  } else if (!up) {  // contiguous
     const int total = slots * kDownTilesPerSlot;
     st.first = (int)((long long)total * rank / blocks);
     st.count = (int)((long long)total * (rank + 1) / blocks) - st.first;
@@ -1022,11 +1032,13 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   for (int j = 0; j < kUpSteps; ++j)
     xa[j] = g < p.batch_size && j < st.steps ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq)
                                              : make_uint4(0, 0, 0, 0);
-  for (int i = 0; i < st.count; ++i) {
+  for (int i = 0;; ++i) {
+    const int tile = moe_tile_of(st, i);
+    if (tile < 0) break;
     float acc[2][4];
     moe_tile_product<kUpSteps>(st, i, xa, acc);
     reduce_warps<2>(acc, s.red, s.out);
-    const int tile = st.first + i * st.stride, slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;
+    const int slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;
     const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
     if (threadIdx.x < 128 && b < p.batch_size) {
       const float act = bf16_round(silu_bf16(bf16_round(s.out[threadIdx.x])) * bf16_round(s.out[128 + threadIdx.x]));

@@ -20,8 +20,9 @@ PAGE_SIZE = 64
 TASK_WORDS = 16
 # Where a sparse layer's MoE drains sit relative to attention and its tail (COMBINE, OPROJ) in every list:
 # attention-first: ATTN, UP, COMBINE, DOWN, OPROJ; moe-first: UP, ATTN, DOWN, COMBINE, OPROJ;
-# tail-early: ATTN, COMBINE, UP, OPROJ, DOWN (o_proj streams between the up and down phases, not after).
-WAVE_ORDERS = ("attention-first", "moe-first", "tail-early")
+# tail-early: ATTN, COMBINE, UP, OPROJ, DOWN (o_proj streams between the up and down phases, not after);
+# oproj-before-down: ATTN, UP, COMBINE, OPROJ, DOWN.
+WAVE_ORDERS = ("attention-first", "moe-first", "tail-early", "oproj-before-down")
 
 
 class TaskType(IntEnum):  # mirrors TaskType in csrc/megakernel.cu
@@ -157,7 +158,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
             waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
                                                    for t in range(router_tiles)]),
                                         ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
-            # arg0 unused (was a claim counter); arg1: the first "slot done" counter
+            # arg0 unused; arg1: the first "slot done" counter (static shares: claims measured no faster, run 10)
             up = ("each", make_task(TaskType.MOE_UP, layer, (0, slot_done), ((topk_done, 1),)))
             down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
             mlp_target = num_blocks
@@ -169,7 +170,8 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
             waves.append(oproj)
         else:
             waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
-                      "tail-early": [attn, combine, up, oproj, down]}[order]
+                      "tail-early": [attn, combine, up, oproj, down],
+                      "oproj-before-down": [attn, up, combine, oproj, down]}[order]
         previous = ((oproj_done, oproj_target), (mlp_done, mlp_target))
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])

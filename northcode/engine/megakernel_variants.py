@@ -37,6 +37,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-kv-preload": Variant(flags=_PREFETCH | FLAG_NO_KV_PRELOAD),
     "kv-stages-2": Variant(kv_stages=2),
     "kv-stages-5": Variant(kv_stages=5),
+    "oproj-before-down": Variant(wave_order="oproj-before-down"),
 }
 
 
