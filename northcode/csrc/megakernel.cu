@@ -8,7 +8,10 @@
 //   0 fences and adds; consumers: thread 0 spins (acquire) and the block syncs. A task only waits
 //   on tasks of strictly earlier waves, so the lists cannot deadlock.
 //   Matrix products: mma.sync m16n8k16 (bf16 in, fp32 accumulate), the weight is the 16-row A
-//   operand, the batch rows are the 8 columns of B. Routed experts come from device-side queues.
+//   operand, the batch rows are the 8 columns of B. Two ways to feed them: register loads (QKV,
+//   o_proj, router, dense, LM head), or, for the routed experts, a per-lane cp.async ring in shared
+//   memory that streams across tile boundaries (section 11); attention pages stream through a ring
+//   too, filled before q is ready. The experts a step needs are known on the device only (TOPK).
 //   Geometry is compile-time (-DNC_HIDDEN=... from megakernel.py): every per-layer shape; the depth
 //   is not (the task lists carry the layers), so one build serves a model and its shallow test copies.
 //   Target sm_90a; no PyTorch headers. ABI: nc_* functions below; one Params struct by pointer;
