@@ -50,7 +50,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     with open(path.parent / ".demo.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "config.json").is_file():
-            from northcode.engine.synthetic import create_checkpoint
+            from northcode.model.synthetic import create_checkpoint
 
             create_checkpoint(DEMO_PRESET, path, seed=DEMO_SEED)
     return path

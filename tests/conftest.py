@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """A `tiny` synthetic checkpoint folder (seed 0), written once per test session."""
-    from northcode.engine.synthetic import create_checkpoint
+    from northcode.model.synthetic import create_checkpoint
 
     out = tmp_path_factory.mktemp("tiny-checkpoint")
     create_checkpoint("tiny", out, seed=0)

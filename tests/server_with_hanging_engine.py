@@ -17,11 +17,11 @@ import threading
 import torch
 
 from northcode.cli import main
-from northcode.engine.checkpoint import load_checkpoint
 from northcode.engine.engine import Engine
-from northcode.engine.tokenizer import Tokenizer
-from northcode.engine.torch_backend import TorchBackend
+from northcode.model.checkpoint import load_checkpoint
+from northcode.model.tokenizer import Tokenizer
 from northcode.paths import model_display_name
+from northcode.torch_backend.backend import TorchBackend
 
 HANG_AT = 3  # decode steps of the whole process; the first two run (they warm the step's shape up)
 STEP_TIMEOUT_S = 0.5

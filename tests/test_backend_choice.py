@@ -11,7 +11,7 @@ import torch
 from northcode.engine.backend_choice import choose_backend, megakernel_blocker
 from northcode.engine.engine import Engine
 from northcode.engine.settings import EngineSettings
-from northcode.engine.synthetic import preset_config
+from northcode.model.synthetic import preset_config
 
 CUDA, CPU, BF16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
 H200 = dict(capability=(9, 0), nvcc="/usr/local/cuda/bin/nvcc")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from northcode.engine.tokenizer import Tokenizer
+from northcode.model.tokenizer import Tokenizer
 from northcode.server.chat_template import ChatTemplate, load_template_source
 from northcode.server.errors import RequestError
 from northcode.server.messages import normalize_messages

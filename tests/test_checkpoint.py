@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from northcode.config import ModelConfig
-from northcode.engine.checkpoint import INDEX_NAME, canonical_shapes, load_checkpoint, save_checkpoint
-from northcode.engine.synthetic import random_weights
+from northcode.model.checkpoint import INDEX_NAME, canonical_shapes, load_checkpoint, save_checkpoint
+from northcode.model.synthetic import random_weights
 
 
 def small_config(**overrides) -> ModelConfig:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from northcode.engine.engine import Engine
-from northcode.engine.model import NorthModel
 from northcode.engine.request import RequestOutput, SamplingParams
 from northcode.engine.settings import EngineSettings
+from northcode.model.model import NorthModel
 
 PAGE = 16  # small pages: more page crossings, evictions and cached blocks per token
 

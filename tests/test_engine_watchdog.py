@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from northcode.engine.checkpoint import load_checkpoint
 from northcode.engine.engine import Engine
 from northcode.engine.settings import EngineSettings
-from northcode.engine.tokenizer import Tokenizer
-from northcode.engine.torch_backend import TorchBackend
 from northcode.engine.watchdog import StepWatchdog
+from northcode.model.checkpoint import load_checkpoint
+from northcode.model.tokenizer import Tokenizer
+from northcode.torch_backend.backend import TorchBackend
 from tests.test_engine import greedy, make_engine, prompt_of, run, tokens_of
 
 

@@ -11,8 +11,8 @@ import torch
 
 from northcode import cli, paths
 from northcode.commands.generate import generate_tokens
-from northcode.engine.model import NorthModel
-from northcode.engine.tokenizer import Tokenizer
+from northcode.model.model import NorthModel
+from northcode.model.tokenizer import Tokenizer
 
 PROMPT = "def fib(n):"
 

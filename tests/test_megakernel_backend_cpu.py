@@ -1,6 +1,6 @@
-"""MegakernelBackend's bookkeeping on the CPU (megakernel_backend.py), over FakeMegakernel: the kernel's Python
+"""MegakernelBackend's bookkeeping on the CPU (megakernel/backend.py), over FakeMegakernel: the kernel's Python
 interface (step, io, tokens, logits, schedule; sticky status) computed by the torch decode step on the shared
-pools and sampled by torch_launch.sample_on_device, so its tokens are TorchBackend's. What this checks: rows
+pools and sampled by torch_backend.launch.sample_on_device, so its tokens are TorchBackend's. What this checks: rows
 cut into launches of 8, carried tokens (gathered, or left in the io buffer), rows that join, leave and
 reorder, draw numbers, logits for the engine's Sampler, status failures raised when a step is read, and the
 Engine pipelining over it with the torch engine's outputs. The real kernel: tests/gpu/test_megakernel_backend_gpu.py.
@@ -15,18 +15,18 @@ import time
 import pytest
 import torch
 
-from northcode.engine.checkpoint import load_checkpoint
 from northcode.engine.engine import Engine
 from northcode.engine.kv_cache import KVCacheManager
-from northcode.engine.megakernel import MAX_BATCH, PAGE_SIZE, RowSpec
-from northcode.engine.megakernel_backend import MegakernelBackend
 from northcode.engine.pipeline import IN_FLIGHT
 from northcode.engine.request import SamplingParams
 from northcode.engine.sampling import SamplingRow
 from northcode.engine.settings import EngineSettings
-from northcode.engine.tokenizer import Tokenizer
-from northcode.engine.torch_backend import TorchBackend
-from northcode.engine.torch_launch import sample_on_device
+from northcode.megakernel.backend import MegakernelBackend
+from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, RowSpec
+from northcode.model.checkpoint import load_checkpoint
+from northcode.model.tokenizer import Tokenizer
+from northcode.torch_backend.backend import TorchBackend
+from northcode.torch_backend.launch import sample_on_device
 from tests.test_engine import greedy, prompt_of, run, tokens_of
 from tests.test_torch_backend import SAMPLING, launch_batch, prefill
 

@@ -1,5 +1,5 @@
 """CPU: northcode/csrc/megakernel.cu compiles with nvcc for sm_90a at the tiny and the full geometry,
-with no register spills (ptxas -v), and the built library's C ABI matches megakernel.py's ctypes mirrors.
+with no register spills (ptxas -v), and the built library's C ABI matches megakernel/kernel.py's ctypes mirrors.
 Skips, saying why, where nvcc is absent."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from northcode.engine.megakernel import find_nvcc, nvcc_command, unsupported_reason
-from northcode.engine.synthetic import preset_config
+from northcode.megakernel.kernel import find_nvcc, nvcc_command, unsupported_reason
+from northcode.model.synthetic import preset_config
 
 
 def _nvcc_or_skip() -> str:
@@ -35,12 +35,12 @@ def test_compiles_for_sm90a_without_spills(preset: str, tmp_path) -> None:
 
 
 def check_abi(library, config) -> None:
-    """The built library's ABI version, struct sizes and geometry are what megakernel.py's mirrors say
+    """The built library's ABI version, struct sizes and geometry are what megakernel/kernel.py's mirrors say
     (load_library checks the same on a GPU machine, where it also initialises the kernel)."""
     import ctypes
     import struct
 
-    from northcode.engine.megakernel import ABI_VERSION, GEOMETRY_FIELDS, ROW_FORMAT, TASK_WORDS, Params, geometry
+    from northcode.megakernel.kernel import ABI_VERSION, GEOMETRY_FIELDS, ROW_FORMAT, TASK_WORDS, Params, geometry
 
     try:
         lib = ctypes.CDLL(str(library))

@@ -18,14 +18,14 @@ PROMPT = [5, 17, 300, 41, 9, 77, 2, 650, 31, 12, 8, 100, 101, 102, 103, 104, 105
 
 @functools.cache
 def tiny():
-    from northcode.engine.synthetic import preset_config, random_weights
+    from northcode.model.synthetic import preset_config, random_weights
 
     config = preset_config("tiny", 1003)
     return config, random_weights(config, dtype=torch.bfloat16, seed=4)
 
 
 def prefilled(weights_dtype: torch.dtype):
-    from northcode.engine.model import NorthModel
+    from northcode.model.model import NorthModel
 
     config, weights = tiny()
     model = NorthModel(config, {n: t.to(weights_dtype) for n, t in weights.items()})

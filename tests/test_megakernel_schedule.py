@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from northcode.engine.megakernel import (TASK_WORDS, VARIANTS, TaskType, attention_splits, build_schedule, make_task,
+from northcode.megakernel.kernel import (TASK_WORDS, VARIANTS, TaskType, attention_splits, build_schedule, make_task,
                                          place_waves)
-from northcode.engine.synthetic import preset_config
+from northcode.model.synthetic import preset_config
 
 
 def simulate(schedule) -> dict[int, int]:
@@ -77,7 +77,7 @@ def test_place_waves_round_robin_and_each() -> None:
 def test_backend_refuses_a_machine_without_hopper() -> None:
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("this machine has a Hopper GPU")
-    from northcode.engine.megakernel_backend import MegakernelBackend
+    from northcode.megakernel.backend import MegakernelBackend
 
     config = preset_config("tiny", 1003)
     with pytest.raises(ValueError, match="backend = 'megakernel'.*(Hopper|page_size)"):
@@ -87,7 +87,7 @@ def test_backend_refuses_a_machine_without_hopper() -> None:
 
 
 def test_profile_summary_accounts_waits_busy_time_and_layers() -> None:
-    from northcode.engine.megakernel import summarize_profile
+    from northcode.megakernel.kernel import summarize_profile
 
     tasks = torch.tensor([make_task(TaskType.NORM, 0, (0,)), make_task(TaskType.OPROJ, 0, (0, 1)),
                           make_task(TaskType.OPROJ, 1, (0, 1))], dtype=torch.int32)
@@ -100,7 +100,7 @@ def test_profile_summary_accounts_waits_busy_time_and_layers() -> None:
 
 
 def test_variant_names_are_checked(monkeypatch) -> None:
-    from northcode.engine.megakernel import variant_from_env
+    from northcode.megakernel.kernel import variant_from_env
 
     monkeypatch.setenv("NC_VARIANT", "no-kv-preload")
     assert variant_from_env() == "no-kv-preload"

@@ -1,4 +1,4 @@
-"""engine/model.py on its own: each building block against its definition (and transformers'
+"""model/model.py on its own: each building block against its definition (and transformers'
 module where there is one), the KV cache against full recomputation, batching, weight checks."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from northcode.config import ModelConfig
-from northcode.engine.checkpoint import canonical_shapes
-from northcode.engine.model import (
+from northcode.model.checkpoint import canonical_shapes
+from northcode.model.model import (
     NorthModel,
     apply_rope,
     attention,

@@ -1,4 +1,4 @@
-"""northcode's reference model (engine/model.py) against transformers' Cohere2MoeForCausalLM.
+"""northcode's reference model (model/model.py) against transformers' Cohere2MoeForCausalLM.
 
 Each case builds a tiny random model with transformers (fp32, eager attention, eager experts),
 saves it with `save_pretrained`, loads the folder with northcode's own loader, and compares
@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM  # noqa: E402
 
-from northcode.engine.model import NorthModel  # noqa: E402
+from northcode.model.model import NorthModel  # noqa: E402
 
 PROMPT_LEN = 80  # longer than every case's sliding window
 NEW_TOKENS = 32

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from northcode.engine.tokenizer import Tokenizer
+from northcode.model.tokenizer import Tokenizer
 from northcode.server.action_scanner import ActionScanner, ArgumentsText, CallEnd, CallName, Rejected
 from northcode.server.markers import Markers
 from northcode.server.output_parser import OutputParser

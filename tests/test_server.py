@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 
 from northcode.cli import main
 from northcode.engine.request import RequestOutput, Timings, Usage
-from northcode.engine.tokenizer import Tokenizer
+from northcode.model.tokenizer import Tokenizer
 from northcode.server.app import create_app
 from northcode.server.state import ServerOptions, ServerState
 

@@ -13,8 +13,8 @@ import torch
 
 from northcode import paths
 from northcode.cli import main as cli_main
-from northcode.engine.checkpoint import canonical_shapes, load_checkpoint
-from northcode.engine.synthetic import (CHAT_TEMPLATE_PATH, SPECIAL_TOKENS, LazyRandomWeights, create_checkpoint,
+from northcode.model.checkpoint import canonical_shapes, load_checkpoint
+from northcode.model.synthetic import (CHAT_TEMPLATE_PATH, SPECIAL_TOKENS, LazyRandomWeights, create_checkpoint,
                                         preset_config, random_weights)
 
 
@@ -144,7 +144,7 @@ def test_same_seed_gives_identical_files(tiny_checkpoint, tmp_path):
 
 
 def test_tokenizer_training_is_deterministic_across_processes():
-    script = "import hashlib; from northcode.engine.synthetic import train_tokenizer; " \
+    script = "import hashlib; from northcode.model.synthetic import train_tokenizer; " \
              "print(hashlib.sha256(train_tokenizer().to_str().encode()).hexdigest())"
     digests = set()
     for hash_seed, threads in (("1", "1"), ("2", "2")):
@@ -181,8 +181,8 @@ def test_checkpoint_command(tmp_path, capsys):
 
 
 def test_north_mini_code_tokenizer_uses_the_real_special_ids(tmp_path):
-    from northcode.engine.synthetic import REAL_SPECIAL_IDS, _write_tokenizer_files, spread_to_real_ids, train_tokenizer
-    from northcode.engine.tokenizer import Tokenizer
+    from northcode.model.synthetic import REAL_SPECIAL_IDS, _write_tokenizer_files, spread_to_real_ids, train_tokenizer
+    from northcode.model.tokenizer import Tokenizer
 
     base = train_tokenizer()
     big = spread_to_real_ids(base, 262144)
@@ -212,8 +212,8 @@ def test_checkpoint_command_checks_disk_space_before_writing_61_gb(tmp_path, cap
 
 def test_the_north_mini_code_path_of_create_checkpoint_on_a_narrow_copy(tmp_path, monkeypatch):
     """The real preset writes 61 GB; the same code path with the width cut down, vocab kept."""
-    from northcode.engine import synthetic
-    from northcode.engine.tokenizer import Tokenizer
+    from northcode.model import synthetic
+    from northcode.model.tokenizer import Tokenizer
 
     narrow = {**synthetic.PRESETS["north-mini-code"], "hidden_size": 32, "num_hidden_layers": 3,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4,

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from northcode.engine.synthetic import SPECIAL_TOKENS
-from northcode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from northcode.model.synthetic import SPECIAL_TOKENS
+from northcode.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTILINGUAL = "Größe → 日本語のテスト 😀🚀 naïve café, 안녕하세요 Привет ✨ def f(x): return x"
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
-from northcode.engine.checkpoint import load_checkpoint
 from northcode.engine.kv_cache import KVCacheManager
-from northcode.engine.model import NorthModel, route, run_experts
-from northcode.engine.routed_experts import add_moe
 from northcode.engine.request import SamplingParams
 from northcode.engine.sampling import Sampler, SamplingRow
-from northcode.engine.torch_backend import MIN_CONTEXT_PAGES, TorchBackend, context_bucket
-from northcode.engine.torch_launch import sample_on_device
+from northcode.model.checkpoint import load_checkpoint
+from northcode.model.model import NorthModel, route, run_experts
+from northcode.torch_backend.backend import MIN_CONTEXT_PAGES, TorchBackend, context_bucket
+from northcode.torch_backend.launch import sample_on_device
+from northcode.torch_backend.routed_experts import add_moe
 
 PAGE = 16  # small pages: the tiny model's 32-token window spans three of them
 
@@ -96,7 +96,7 @@ def test_rows_of_a_batch_do_not_interact(tiny, moe_path):
 
 def test_long_prefill_attention_in_query_blocks_gives_the_same_logits(tiny, monkeypatch):
     """The fp32 score budget splits a chunk's queries into blocks (long contexts stay in memory)."""
-    import northcode.engine.paged_prefill as paged_prefill
+    import northcode.torch_backend.paged_prefill as paged_prefill
 
     config, weights, model = tiny
     tokens = torch.randint(0, config.vocab_size, (90,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -149,8 +149,8 @@ def test_decode_step_of_the_full_layer_plan_launches_few_kernels_and_never_syncs
     Before this step was reorganised it took 2825 at batch 1."""
     from collections import Counter
 
-    from northcode.engine.decode_step import layer_kind
-    from northcode.engine.op_count import count_decode, structural_config
+    from northcode.torch_backend.decode_step import layer_kind
+    from northcode.torch_backend.op_count import count_decode, structural_config
 
     config = structural_config()
     per_kind = Counter(layer_kind(config, i) for i in range(config.num_hidden_layers))
@@ -165,7 +165,7 @@ def test_decode_step_of_the_full_layer_plan_launches_few_kernels_and_never_syncs
 
 
 def test_the_moe_path_is_chosen_by_dtype_and_device_or_by_the_environment(monkeypatch):
-    from northcode.engine.routed_experts import choose_moe_path
+    from northcode.torch_backend.routed_experts import choose_moe_path
 
     monkeypatch.delenv("NORTHCODE_TORCH_MOE", raising=False)
     assert choose_moe_path(torch.device("cpu"), torch.float32) == "grouped"
@@ -225,7 +225,7 @@ def launch_batch(kv, rows, tokens, positions, sampling) -> DecodeBatch:
 @contextlib.contextmanager
 def no_host_reads():
     """Fails on any op that makes the host wait for the device (op_count's list) or reads a tensor's values."""
-    from northcode.engine.op_count import KernelCounter
+    from northcode.torch_backend.op_count import KernelCounter
 
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor was read on the host during the launch")
@@ -337,7 +337,7 @@ def test_decode_and_launch_decode_both_run_the_model_through_decode_logits(tiny)
 def test_a_bucket_whose_capture_fails_decodes_eagerly_and_says_why(tiny, monkeypatch):
     """The capture is what fails (the warm-up steps ran): the bucket is recorded with the error and runs the
     same step eagerly, giving the logits of a backend without graphs; later steps do not retry it."""
-    import northcode.engine.torch_backend as torch_backend
+    import northcode.torch_backend.backend as torch_backend
 
     attempts = []
 

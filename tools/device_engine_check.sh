@@ -24,8 +24,8 @@ phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/N
 
 phase decode 100 python3 -m northcode.cli bench decode --backends torch --batch 1 2 4 8 --context 8192 --steps 20 \
   --out "$OUT/decode"
-phase time 40 python3 -m northcode.engine.op_count --time --batch 1 --context 8192
-phase ops 30 bash -c 'python3 -m northcode.engine.op_count --cuda --batch 1 && python3 -m northcode.engine.op_count --cuda --batch 8'
+phase time 40 python3 -m northcode.torch_backend.op_count --time --batch 1 --context 8192
+phase ops 30 bash -c 'python3 -m northcode.torch_backend.op_count --cuda --batch 1 && python3 -m northcode.torch_backend.op_count --cuda --batch 8'
 phase gpu 140 python3 -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_engine_gpu.py tests/gpu/test_torch_launch_gpu.py
 
 echo "== phases"; cat "$OUT/engine_phases.txt"

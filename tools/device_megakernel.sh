@@ -22,7 +22,7 @@ phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, record rc and
 BUILD='
 from concurrent.futures import ThreadPoolExecutor
 from northcode.bench.decode_check import preset_config
-from northcode.engine.megakernel import build_library
+from northcode.megakernel.kernel import build_library
 with ThreadPoolExecutor(2) as pool:
     for path in pool.map(build_library, [preset_config("tiny"), preset_config("north-mini-code")]):
         print(path)

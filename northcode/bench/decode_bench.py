@@ -5,7 +5,7 @@ a paged cache of random K/V (decode_setup.py). Per cell and backend: ms per step
 timed steps after warm-up), tokens/s, GB read per step (weights of the experts actually routed, from the
 kernel's per-layer expert counts, plus the KV the rows attend to), and % of speed of light against
 4.8 TB/s and against the read bandwidth measured at the start of the run. Writes a table, JSON and a
-PNG plot. `--variants` times megakernel variants (megakernel_variants.py: flags and task-list options)
+PNG plot. `--variants` times megakernel variants (megakernel/variants.py: flags and task-list options)
 against the default in the same run. The torch baseline is the engine's TorchBackend (paged, CUDA graphs)
 on a copy of the same pools, falling back to model.py's eager decode if it fails; it is skipped where the
 copy would not fit. A torch cell notes what it timed when that is not the graphed step.
@@ -23,7 +23,7 @@ HELP = "decode throughput: megakernel vs PyTorch, batch x context grid, table + 
 
 def _variant_names() -> dict[str, str]:
     """Backend name -> megakernel.VARIANTS key: "megakernel" is the default, "megakernel/<name>" the others."""
-    from northcode.engine.megakernel_variants import VARIANTS as kernel_variants
+    from northcode.megakernel.variants import VARIANTS as kernel_variants
 
     return {("megakernel" if name == "default" else f"megakernel/{name}"): name for name in kernel_variants}
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.quick:
         args.batch, args.context, args.steps = [1, 8], [8192], 10
-    from northcode.engine.synthetic import preset_config, random_weights
+    from northcode.model.synthetic import preset_config, random_weights
 
     config = preset_config("north-mini-code")
     start = time.time()
@@ -186,7 +186,7 @@ def time_megakernel(config, weights, cache, steps: int, warmup: int, variant: st
                     profile: bool = False) -> tuple[float, list[int], dict | None]:
     import torch
 
-    from northcode.engine.megakernel import Megakernel, RowSpec
+    from northcode.megakernel.kernel import Megakernel, RowSpec
 
     kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
                         variant=variant)
@@ -252,7 +252,7 @@ def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> tuple
     import torch
 
     from northcode.engine.backend import DecodeBatch
-    from northcode.engine.torch_backend import TorchBackend
+    from northcode.torch_backend.backend import TorchBackend
 
     batch = len(cache.lengths)
     backend = TorchBackend(config, weights, cache.k_pool.shape[0], 64, batch, cache.block_tables.shape[2])
@@ -281,7 +281,7 @@ def time_model_eager(config, weights, cache, steps: int, warmup: int) -> float:
     """model.py's eager decode, the whole batch at once over a contiguous cache of the same length."""
     import torch
 
-    from northcode.engine.model import NorthModel
+    from northcode.model.model import NorthModel
 
     model = NorthModel(config, weights)
     batch, length = len(cache.lengths), cache.lengths[0]

@@ -40,7 +40,7 @@ ROUTER_ERR_FLOOR = 0.02  # router logits are bf16: ~2 roundings at |z| in [2, 4)
 def preset_config(preset: str, layers: int | None = None):
     """The preset's config (tiny with a vocabulary of 1003, not a multiple of 32); `layers` keeps only the
     first layers (the same per-layer shapes, so the same kernel build, and the same weights by name)."""
-    from northcode.engine.synthetic import preset_config as base
+    from northcode.model.synthetic import preset_config as base
 
     config = base(preset, 1003 if preset == "tiny" else None)
     if layers is not None:
@@ -52,7 +52,7 @@ def preset_config(preset: str, layers: int | None = None):
 def model(preset: str, layers: int | None = None, device: str = "cuda"):
     """(config, bf16 weights on `device`, fp32 oracle, bf16 oracle) of a preset, random weights seed 0."""
     from northcode.bench.decode_oracle import Oracle
-    from northcode.engine.synthetic import random_weights
+    from northcode.model.synthetic import random_weights
 
     config = preset_config(preset, layers)
     weights = random_weights(config, device=device, dtype=torch.bfloat16, seed=0)
@@ -65,7 +65,7 @@ def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | No
     the checks that did not hold, as strings)."""
     from northcode.bench.decode_oracle import compare_routing, first_jump, residual_errors
     from northcode.bench.decode_setup import paged_cache, row_history, write_kv
-    from northcode.engine.megakernel import Megakernel, RowSpec
+    from northcode.megakernel.kernel import Megakernel, RowSpec
 
     config, weights, exact, bf16 = model(preset, layers, device)
     batch, L = len(lengths), config.num_hidden_layers
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("decode_check: needs a CUDA GPU (the megakernel runs on sm_90)", file=sys.stderr)
         return 2
-    from northcode.engine.megakernel import VARIANTS
+    from northcode.megakernel.kernel import VARIANTS
 
     if args.variant not in VARIANTS:
         parser.error(f"--variant {args.variant!r}: choose from {', '.join(VARIANTS)}")

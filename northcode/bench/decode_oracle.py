@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from northcode.config import ModelConfig
-from northcode.engine.model import expert_weights
+from northcode.model.model import expert_weights
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Oracle:
     LM head); experts are cast per routed expert per step."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        from northcode.engine.model import check_weights, rope_inv_freq
+        from northcode.model.model import check_weights, rope_inv_freq
 
         check_weights(config, weights)
         if config.num_shared_experts:
@@ -78,7 +78,7 @@ class Oracle:
         """One token at `position` of one sequence. keys[l], values[l]: [>= position, KVH, D] history
         (bf16 or the path's dtype; rows >= position are ignored). follow: int [L, k] experts to use at
         each sparse layer (None: the path's own top-k)."""
-        from northcode.engine import model as m
+        from northcode.model import model as m
 
         c, dt, dev = self.config, self.dtype, self.device
         L, k = c.num_hidden_layers, c.num_experts_per_tok

@@ -87,7 +87,7 @@ def build_engine(args: argparse.Namespace):
         model_dir = resolve_model(args.model)
         check_backend_setting(model_dir, settings)  # a megakernel that cannot run: refused before reading weights
         return Engine.from_model_dir(model_dir, settings)
-    from northcode.engine.synthetic import TOKENIZER_VOCAB_SIZE, preset_config, random_weights
+    from northcode.model.synthetic import TOKENIZER_VOCAB_SIZE, preset_config, random_weights
 
     config = preset_config(args.preset, vocab_size=TOKENIZER_VOCAB_SIZE if args.preset == "tiny" else None)
     check_backend_setting(config, settings)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 HELP = "create synthetic checkpoints (random weights)"
-PRESET_NAMES = ("tiny", "north-mini-code")  # engine.synthetic.PRESETS, without importing torch here
+PRESET_NAMES = ("tiny", "north-mini-code")  # model.synthetic.PRESETS, without importing torch here
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     _check_out_dir(out_dir, args.force)
     import torch
 
-    from northcode.engine.checkpoint import canonical_shapes
-    from northcode.engine.synthetic import create_checkpoint, preset_config
+    from northcode.model.checkpoint import canonical_shapes
+    from northcode.model.synthetic import create_checkpoint, preset_config
 
     if args.preset != "tiny":  # tiny's size is a few MB; the big one must fit on the disk first
         config = preset_config(args.preset)

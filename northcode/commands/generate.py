@@ -1,7 +1,7 @@
 """`northcode generate`: raw completion of a prompt with the reference model, streamed to stdout.
 
 No chat template: the prompt is tokenized as is, after the tokenizer's BOS. It runs
-engine/model.py directly (one sequence, contiguous KV cache) with a small sampler of its own,
+model/model.py directly (one sequence, contiguous KV cache) with a small sampler of its own,
 greedy or temperature with a seeded generator, so it is a check of the model rather than a
 server; the engine's full sampler lives in engine/sampling.py.
 """
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # heavy imports happen inside run()
     import torch
 
-    from northcode.engine.model import NorthModel
-    from northcode.engine.tokenizer import Tokenizer
+    from northcode.model.model import NorthModel
+    from northcode.model.tokenizer import Tokenizer
 
 HELP = "raw completion of a prompt, streamed to stdout"
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from northcode import paths
-    from northcode.engine.model import NorthModel
-    from northcode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+    from northcode.model.model import NorthModel
+    from northcode.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
     model_dir = paths.resolve_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,7 +2,7 @@
 //   The northcode decode megakernel: one persistent launch runs a whole decode step of a
 //   cohere2_moe model (North Mini Code) for a batch of 1..NC_MAX_BATCH rows, each row a
 //   (sequence, position) pair. One block of 256 threads per SM walks its own host-built task
-//   list (northcode/engine/megakernel.py builds it in dependency waves); every cross-SM
+//   list (northcode/megakernel/tasks.py builds it in dependency waves); every cross-SM
 //   dependency is a uint32 counter in global memory with a target baked into the waiting task.
 //   Counters are zeroed by one memset before each launch. Producers: __syncthreads, then thread
 //   0 fences and adds; consumers: thread 0 spins (acquire) and the block syncs. A task only waits
@@ -27,7 +27,7 @@
 #if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
     !defined(NC_EXPERT_WIDTH) || !defined(NC_DENSE_WIDTH)
-#error "geometry: build through northcode/engine/megakernel.py, which passes -DNC_HIDDEN=... etc."
+#error "geometry: build through northcode/megakernel/kernel.py, which passes -DNC_HIDDEN=... etc."
 #endif
 #ifndef NC_MAX_BATCH
 #define NC_MAX_BATCH 8
@@ -74,7 +74,7 @@ static_assert(kExpertWidth % 32 == 0 && kDenseWidth % 16 == 0 && kHidden % 64 ==
 static_assert(kHeads % kKvHeads == 0, "GQA group");
 static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
 
-// Mirrors northcode/engine/megakernel.py TaskType.
+// Mirrors TaskType in northcode/megakernel/tasks.py.
 enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
@@ -95,7 +95,8 @@ enum TaskType : int {
 
 // Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
 // NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4 };
+// DOWN_REVERSED: MoE down shares in reverse block order (see moe_stream).
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_DOWN_REVERSED = 8 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -1006,7 +1007,10 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
 
 __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
   const int warp = threadIdx.x >> 5, nchunk = (up ? kHidden : kExpertWidth) / 32;
-  const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks, rank = blockIdx.x;
+  const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks;
+  // DOWN_REVERSED: the first slots' down tiles go to the last blocks, which hold the fewest up tiles (the
+  // round-robin leaves them one less) and so are free first
+  const int rank = !up && (p.flags & NC_FLAG_DOWN_REVERSED) ? blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
   __syncthreads();  // the previous user of this memory is done
   for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);

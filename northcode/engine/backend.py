@@ -1,7 +1,7 @@
 """The model backend interface: what the engine asks of the code that runs the model on the paged cache.
 
-Two implementations: `TorchBackend` (torch_backend.py: prefill and decode in PyTorch, CUDA graphs on a
-GPU) and `MegakernelBackend` (megakernel_backend.py: decode in one persistent kernel, megakernel.py;
+Two implementations: `TorchBackend` (torch_backend/backend.py: prefill and decode in PyTorch, CUDA graphs
+on a GPU) and `MegakernelBackend` (megakernel/backend.py: decode in one persistent kernel, megakernel/kernel.py;
 prefill in a TorchBackend sharing its pools). A backend owns the device KV pools
 (`k_pool, v_pool: [num_pages + 1, page_size, num_kv_heads, head_dim]`, the last page scratch for padded
 rows, layout in kv_cache.py) and a device copy of the block tables; the engine owns the host block tables

@@ -1,7 +1,7 @@
 """Which decode backend runs the model (EngineSettings.backend = auto | torch | megakernel), and why.
 
-`megakernel_blocker` lists, in order, what keeps the megakernel (megakernel.py; the engine's backend over
-it: megakernel_backend.py) from running here: a device that is not a CUDA GPU, a GPU that is not sm_90
+`megakernel_blocker` lists, in order, what keeps the megakernel (megakernel/kernel.py; the engine's backend
+over it: megakernel/backend.py) from running here: a device that is not a CUDA GPU, a GPU that is not sm_90
 (the kernel is built for sm_90a: H100/H200), no nvcc to build it, a dtype other than bfloat16, pages other
 than the kernel's 64 tokens, or a model geometry the kernel does not implement
 (megakernel.unsupported_reason). `choose_backend` turns the
@@ -43,7 +43,7 @@ class BackendChoice:
 def find_nvcc() -> str | None:
     """nvcc's path (PATH, then $CUDA_HOME/bin), or None. The megakernel module has the same search."""
     try:
-        from northcode.engine.megakernel import find_nvcc as kernel_find_nvcc
+        from northcode.megakernel.kernel import find_nvcc as kernel_find_nvcc
     except Exception:  # the module is broken or missing: megakernel_blocker says so
         return shutil.which("nvcc")
     try:
@@ -73,7 +73,7 @@ def megakernel_blocker(config: ModelConfig, settings: EngineSettings, device: to
     if settings.page_size != KERNEL_PAGE_SIZE:
         return f"page_size is {settings.page_size}; the megakernel's pages hold {KERNEL_PAGE_SIZE} tokens"
     try:
-        from northcode.engine.megakernel import unsupported_reason
+        from northcode.megakernel.kernel import unsupported_reason
     except Exception as err:  # ImportError, or a broken module: torch still serves under auto
         return f"the megakernel module cannot be imported ({type(err).__name__}: {err})"
     reason = unsupported_reason(config)
@@ -107,7 +107,7 @@ def build_backend(choice: BackendChoice, config: ModelConfig, weights: dict[str,
     megakernel that fails to start gives way to torch; the returned choice then says why."""
     if choice.name == "megakernel":
         try:
-            from northcode.engine.megakernel_backend import MegakernelBackend
+            from northcode.megakernel.backend import MegakernelBackend
 
             backend = MegakernelBackend(config, weights, num_pages, settings.page_size, settings.max_batch,
                                         max_pages_per_seq, cuda_graphs=settings.cuda_graphs)
@@ -118,7 +118,7 @@ def build_backend(choice: BackendChoice, config: ModelConfig, weights: dict[str,
             log.warning("the megakernel failed to start; using the torch backend", exc_info=True)
             choice = BackendChoice("torch", f"auto: the megakernel failed to start ({type(err).__name__}: "
                                             f"{str(err)[:300]})")
-    from northcode.engine.torch_backend import TorchBackend
+    from northcode.torch_backend.backend import TorchBackend
 
     backend = TorchBackend(config, weights, num_pages, settings.page_size, settings.max_batch, max_pages_per_seq,
                            cuda_graphs=settings.cuda_graphs, compile=settings.compile)

@@ -16,7 +16,7 @@ backend is rebuilt (recovery.py), or, when the device is lost, `fatal_error` is 
 Pipelining (pipeline.py): with a backend that offers launch_decode, the step launches decode n+1 before
 it reads step n's tokens (rows feed the token they sampled from device memory), so the GPU does not wait
 while this thread detokenises, checks stops and schedules. Both backends offer it: TorchBackend
-(torch_launch.py; synchronously on the CPU) and MegakernelBackend (megakernel_backend.py). Unpipelined,
+(torch_backend/launch.py; synchronously on the CPU) and MegakernelBackend (megakernel/backend.py). Unpipelined,
 the backend samples every row it can and the Sampler the rest (penalties), so a seed's tokens do not
 depend on what else is in the batch.
 """
@@ -44,8 +44,8 @@ from northcode.engine.request import RequestOutput, SamplingParams, Timings, Tok
 from northcode.engine.sampling import Sampler, SamplingRow, StopStringFilter
 from northcode.engine.scheduler import Scheduler, Sequence, StepPlan
 from northcode.engine.settings import EngineSettings
-from northcode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from northcode.engine.watchdog import StepWatchdog
+from northcode.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # the step thread sleeps at most this long when there is nothing to run
@@ -193,7 +193,7 @@ class Engine(StepRecovery, PipelinedSteps):
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, settings: EngineSettings | None = None,
                        progress: Callable[[int, int], None] | None = None) -> Engine:
-        from northcode.engine.checkpoint import load_checkpoint
+        from northcode.model.checkpoint import load_checkpoint
         from northcode.paths import model_display_name
 
         settings = settings or EngineSettings()

@@ -32,7 +32,7 @@ class StepAbandoned(Exception):
 def step_shapes(plan: StepPlan, page_size: int, max_pages_per_seq: int) -> set[tuple]:
     """What makes a step's first run slow: a prefill at all, and a decode's batch and context buckets
     (the torch backend captures one CUDA graph per pair; the megakernel builds task lists per pair)."""
-    from northcode.engine.torch_backend import context_bucket, next_power_of_two
+    from northcode.torch_backend.backend import context_bucket, next_power_of_two
 
     shapes = {("prefill",)} if plan.prefills else set()
     if plan.decodes:

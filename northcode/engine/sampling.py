@@ -126,8 +126,8 @@ class Sampler:
     @staticmethod
     def _draw(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Exponential-race sampling (argmax p / E, E ~ Exp(1)), each row with its own counter-seeded noise:
-        the same draw as the torch backend's device sampler (torch_launch.draw_tokens)."""
-        from northcode.engine.torch_launch import draw_tokens  # torch_launch imports this module
+        the same draw as the torch backend's device sampler (torch_backend.launch.draw_tokens)."""
+        from northcode.torch_backend.launch import draw_tokens  # launch.py imports this module
 
         return draw_tokens(scaled, rows)
 

@@ -225,6 +225,6 @@ class OutputParser:
         return deltas
 
     def _new_detokenizer(self):
-        from northcode.engine.tokenizer import IncrementalDetokenizer
+        from northcode.model.tokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self._tokenizer, skip_special_tokens=True)

@@ -41,8 +41,8 @@ def width5_fp32():
     """The first 5 layers of the full geometry (dense full+RoPE, 3 sliding, full NoPE), fp32 on the GPU."""
     import dataclasses
 
-    from northcode.engine.model import NorthModel
-    from northcode.engine.synthetic import preset_config, random_weights
+    from northcode.model.model import NorthModel
+    from northcode.model.synthetic import preset_config, random_weights
 
     config = dataclasses.replace(preset_config("north-mini-code"), num_hidden_layers=5, layer_types=None,
                                  mlp_layer_types=None)
@@ -52,8 +52,8 @@ def width5_fp32():
 
 @pytest.fixture(scope="module")
 def full_model():
-    from northcode.engine.model import NorthModel
-    from northcode.engine.synthetic import preset_config, random_weights
+    from northcode.model.model import NorthModel
+    from northcode.model.synthetic import preset_config, random_weights
 
     config = preset_config("north-mini-code")
     weights = random_weights(config, device="cuda", dtype=torch.bfloat16)
@@ -61,7 +61,7 @@ def full_model():
 
 
 def make_paged(config, weights, rows: int, pages_per_row: int):
-    from northcode.engine.torch_backend import TorchBackend
+    from northcode.torch_backend.backend import TorchBackend
 
     num_pages = rows * pages_per_row
     max_pages = -(-(CONTEXT + DECODE_STEPS + 64) // 64)
@@ -159,7 +159,7 @@ def test_bf16_full_geometry_layers_match_the_reference_decoding_from_the_same_8k
     """All 49 layers, bf16, at position 8192 of a cache the reference prefilled: each layer of the decode
     step (decode_step.py) is fed the reference's input, and its output (x_out - x_in) must match the
     reference's within the bf16 tolerance; for both MoE paths of routed_experts.py."""
-    from northcode.engine.model import mlp, norm, rope_cos_sin
+    from northcode.model.model import mlp, norm, rope_cos_sin
 
     config, weights, model = full_model
     tokens = torch.randint(0, config.vocab_size, (CONTEXT + 1,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -220,8 +220,8 @@ def test_a_backend_dropped_during_a_capture_is_not_collected_inside_it(tiny_chec
     succeeds; the collector runs again afterwards."""
     import weakref
 
-    from northcode.engine.checkpoint import load_checkpoint
-    from northcode.engine.torch_backend import TorchBackend
+    from northcode.model.checkpoint import load_checkpoint
+    from northcode.torch_backend.backend import TorchBackend
 
     config, weights = load_checkpoint(tiny_checkpoint, device=torch.device("cuda"), dtype=torch.float32)
     first = TorchBackend(config, weights, 64, 16, 4, 16)
@@ -253,8 +253,8 @@ def test_a_backend_dropped_during_a_capture_is_not_collected_inside_it(tiny_chec
 
 
 def test_a_failed_capture_decodes_eagerly_and_leaves_the_cuda_generator_usable(tiny_checkpoint):
-    from northcode.engine.checkpoint import load_checkpoint
-    from northcode.engine.torch_backend import TorchBackend
+    from northcode.model.checkpoint import load_checkpoint
+    from northcode.torch_backend.backend import TorchBackend
 
     config, weights = load_checkpoint(tiny_checkpoint, device=torch.device("cuda"), dtype=torch.float32)
     tokens = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -287,7 +287,7 @@ def test_a_failed_capture_decodes_eagerly_and_leaves_the_cuda_generator_usable(t
 def test_the_decode_step_launches_few_kernels_on_the_gpu():
     """The decode step of the full layer plan (tiny widths, bf16) counted on CUDA by torch.profiler: the
     CPU count (op_count.py) predicts it; a few more for multi-kernel ops (sort, top-k, grouped GEMM)."""
-    from northcode.engine.op_count import count_cuda_kernels
+    from northcode.torch_backend.op_count import count_cuda_kernels
 
     for batch in (1, 8):
         total, by_part = count_cuda_kernels(batch=batch, context=8192)
@@ -297,9 +297,9 @@ def test_the_decode_step_launches_few_kernels_on_the_gpu():
 
 def test_tiny_engine_on_the_gpu_matches_the_reference_and_reuses_prefixes(tiny_checkpoint):
     from northcode.engine.engine import Engine
-    from northcode.engine.model import NorthModel
     from northcode.engine.request import SamplingParams
     from northcode.engine.settings import EngineSettings
+    from northcode.model.model import NorthModel
 
     reference = NorthModel.from_dir(tiny_checkpoint, device="cuda", dtype=torch.float32)
     engine = Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cuda", dtype="float32", page_size=16,

@@ -13,11 +13,11 @@ pytestmark = pytest.mark.gpu
 
 def test_backend_matches_the_torch_backend() -> None:
     from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
-    from northcode.engine.megakernel_backend import MegakernelBackend
     from northcode.engine.request import SamplingParams
     from northcode.engine.sampling import SamplingRow
-    from northcode.engine.synthetic import preset_config, random_weights
-    from northcode.engine.torch_backend import TorchBackend
+    from northcode.megakernel.backend import MegakernelBackend
+    from northcode.model.synthetic import preset_config, random_weights
+    from northcode.torch_backend.backend import TorchBackend
 
     config = preset_config("tiny", 1003)
     weights = random_weights(config, device="cuda", dtype=torch.bfloat16, seed=2)

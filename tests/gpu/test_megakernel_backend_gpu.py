@@ -4,7 +4,7 @@ with no host sync inside a launch (torch's sync debug mode raises on one); the E
 pipelines 8 greedy requests, checked launch by launch the same way, whose tokens are the fp32 reference's
 argmax (teacher-forced) about as often as the torch engine's; and seeded sampling gives the same tokens alone,
 in a batch and unpipelined. Exact equality across batches holds because below 448 tokens of context every
-batch of <= 8 rows gets the same attention splits on 132 SMs (megakernel_tasks.attention_splits), a row's
+batch of <= 8 rows gets the same attention splits on 132 SMs (megakernel.tasks.attention_splits), a row's
 products never mix in another row's, and the fp32 sums of bf16 terms into the residual are (nearly always) exact.
 """
 
@@ -16,7 +16,7 @@ import contextlib
 import pytest
 import torch
 
-from northcode.engine.megakernel import MAX_BATCH, PAGE_SIZE
+from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE
 from tests.test_engine import prompt_of, run, tokens_of
 from tests.test_megakernel_backend_cpu import MAX_PAGES, NUM_PAGES, ORDERS, ROWS, decoded, launched
 
@@ -48,8 +48,8 @@ def build_schedules(backend, max_context: int) -> None:
 
 
 def test_launches_equal_host_fed_decode_and_never_wait_for_the_device(tiny_checkpoint):
-    from northcode.engine.checkpoint import load_checkpoint
-    from northcode.engine.megakernel_backend import MegakernelBackend
+    from northcode.megakernel.backend import MegakernelBackend
+    from northcode.model.checkpoint import load_checkpoint
 
     config, weights = load_checkpoint(tiny_checkpoint, device=torch.device("cuda"), dtype=torch.bfloat16)
     host_fed = decoded(MegakernelBackend(config, weights, NUM_PAGES, PAGE_SIZE, ROWS, MAX_PAGES), config)
@@ -95,8 +95,8 @@ def teacher_forced_hits(reference, prompt: list[int], tokens: list[int]) -> int:
 
 
 def test_the_engine_pipelines_eight_greedy_requests_as_well_as_the_torch_engine(tiny_checkpoint):
-    from northcode.engine.model import NorthModel
     from northcode.engine.request import SamplingParams
+    from northcode.model.model import NorthModel
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     requests = [(torch.randint(20, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist(), params)

@@ -40,7 +40,7 @@ def report(record: dict) -> None:
 
 def model_and_weights(preset: str):
     from northcode.bench.decode_check import model
-    from northcode.engine.model import NorthModel
+    from northcode.model.model import NorthModel
 
     config, weights, _, _ = model(preset)  # decode_check's cache: one model on the GPU at a time
     return config, weights, NorthModel(config, weights)
@@ -48,7 +48,7 @@ def model_and_weights(preset: str):
 
 def setup(preset: str, lengths: list[int], steps: int, seed: int):
     from northcode.bench.decode_setup import contiguous_caches, paged_cache
-    from northcode.engine.megakernel import Megakernel, variant_from_env
+    from northcode.megakernel.kernel import Megakernel, variant_from_env
 
     config, weights, model = model_and_weights(preset)
     cache = paged_cache(config, lengths, steps, "cuda", seed=seed)
@@ -58,7 +58,7 @@ def setup(preset: str, lengths: list[int], steps: int, seed: int):
 
 
 def rows_at(lengths: list[int], step: int):
-    from northcode.engine.megakernel import RowSpec
+    from northcode.megakernel.kernel import RowSpec
 
     return [RowSpec(position=length + step, seq=b) for b, length in enumerate(lengths)]
 
@@ -91,13 +91,13 @@ class FollowKernelRouting:
                 ids = mine
             else:
                 self.mismatches.append((layer, self.row, ids[0].tolist(), mine[0].tolist()))
-        from northcode.engine.model import expert_weights
+        from northcode.model.model import expert_weights
 
         return expert_weights(logits.gather(-1, ids), config).to(h.dtype), ids
 
     @contextlib.contextmanager
     def active(self):
-        from northcode.engine import model
+        from northcode.model import model
 
         original = model.route
         model.route = self.route
@@ -138,7 +138,7 @@ def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | No
     """decode_check's teacher-forced checks (its docstring states them); fails with the first few."""
     from northcode.bench.decode_check import report
     from northcode.bench.decode_check import teacher_forced as run
-    from northcode.engine.megakernel import variant_from_env
+    from northcode.megakernel.kernel import variant_from_env
 
     figures = run(preset, lengths, steps, layers, variant=variant or variant_from_env())
     report(figures)

@@ -30,7 +30,7 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def draw(kernel, config, settings: dict, seeds: list[int], step: int) -> list[int]:
-    from northcode.engine.megakernel import RowSpec, TaskType, flatten, make_task, place_waves
+    from northcode.megakernel.kernel import RowSpec, TaskType, flatten, make_task, place_waves
 
     tiles = -(-config.vocab_size // 32)
     lm = [make_task(TaskType.LM_HEAD, 0, (t, 1, t), (), 0) for t in range(tiles)]

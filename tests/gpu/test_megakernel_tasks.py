@@ -40,9 +40,9 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def env(geometry: str = "tiny"):
     from northcode.bench.decode_check import preset_config
     from northcode.bench.decode_setup import paged_cache
-    from northcode.engine.megakernel import Megakernel, RowSpec, variant_from_env
-    from northcode.engine.model import NorthModel
-    from northcode.engine.synthetic import random_weights
+    from northcode.megakernel.kernel import Megakernel, RowSpec, variant_from_env
+    from northcode.model.model import NorthModel
+    from northcode.model.synthetic import random_weights
 
     preset, layers, lengths = GEOMETRIES[geometry]
     config = preset_config(preset, layers)
@@ -55,7 +55,7 @@ def env(geometry: str = "tiny"):
 
 
 def run(kernel, waves: list, batch: int = 8, num_counters: int = 8, num_lm: int = 0) -> None:
-    from northcode.engine.megakernel import flatten, place_waves
+    from northcode.megakernel.kernel import flatten, place_waves
 
     kernel.launch(flatten(place_waves(waves, kernel.num_blocks), num_counters, num_lm), batch)
     kernel.check()
@@ -79,8 +79,8 @@ def randn_bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
 
 
 def test_norm_embeds_rounds_and_normalises(geometry: str) -> None:
-    from northcode.engine.megakernel import TaskType, make_task
-    from northcode.engine.model import norm
+    from northcode.megakernel.kernel import TaskType, make_task
+    from northcode.model.model import norm
 
     config, weights, model, cache, kernel = env(geometry)
     tokens = torch.randint(0, config.vocab_size, (8,), device="cuda", dtype=torch.int32)
@@ -101,8 +101,8 @@ def test_norm_embeds_rounds_and_normalises(geometry: str) -> None:
 
 @pytest.mark.parametrize("layer,tiles_per_task", [(1, 1), (4, 1), (1, 2), (4, 3)])  # sliding+RoPE; full, NoPE
 def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int) -> None:
-    from northcode.engine.megakernel import TaskType, make_task
-    from northcode.engine.model import apply_rope, project_qkv, rope_cos_sin
+    from northcode.megakernel.kernel import TaskType, make_task
+    from northcode.model.model import apply_rope, project_qkv, rope_cos_sin
 
     config, weights, model, cache, kernel = env(geometry)
     h = randn_bf16(8, config.hidden_size)
@@ -127,8 +127,8 @@ def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int) -
 def test_split_attention_and_combine(geometry: str, layer: int, splits: int, ring: str) -> None:
     """ring: the KV ring as $NC_VARIANT sets it; one stage with no page copied before the wait; the most
     stages the build allows (every page of a split in flight at once up to 5 or 8 pages)."""
-    from northcode.engine.megakernel import FLAG_NO_KV_PRELOAD, TaskType, make_task
-    from northcode.engine.model import attention
+    from northcode.megakernel.kernel import FLAG_NO_KV_PRELOAD, TaskType, make_task
+    from northcode.model.model import attention
 
     config, weights, model, cache, kernel = env(geometry)
     kvh, window = config.num_key_value_heads, config.window(layer) or 0
@@ -154,7 +154,7 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, rin
 
 
 def test_oproj_adds_into_the_residual(geometry: str) -> None:
-    from northcode.engine.megakernel import TaskType, make_task
+    from northcode.megakernel.kernel import TaskType, make_task
 
     config, weights, model, cache, kernel = env(geometry)
     attn_out, x = randn_bf16(8, config.q_size), torch.randn(8, config.hidden_size, device="cuda")
@@ -171,8 +171,8 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
     and the routed experts' output match the reference computed with the kernel's choice."""
     from northcode.bench.decode_oracle import route_weights
-    from northcode.engine.megakernel import TaskType, make_task
-    from northcode.engine.model import run_experts
+    from northcode.megakernel.kernel import TaskType, make_task
+    from northcode.model.model import run_experts
 
     config, weights, model, cache, kernel = env(geometry)
     layer, k = 3, config.num_experts_per_tok
@@ -214,8 +214,8 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
 
 
 def test_dense_mlp(geometry: str) -> None:
-    from northcode.engine.megakernel import TaskType, make_task
-    from northcode.engine.model import swiglu
+    from northcode.megakernel.kernel import TaskType, make_task
+    from northcode.model.model import swiglu
 
     config, weights, model, cache, kernel = env(geometry)
     h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
@@ -230,7 +230,7 @@ def test_dense_mlp(geometry: str) -> None:
 
 
 def test_lm_head_and_greedy_sample(geometry: str) -> None:
-    from northcode.engine.megakernel import RowSpec, TaskType, make_task
+    from northcode.megakernel.kernel import RowSpec, TaskType, make_task
 
     config, weights, model, cache, kernel = env(geometry)
     h = randn_bf16(8, config.hidden_size)

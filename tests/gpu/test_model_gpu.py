@@ -1,11 +1,11 @@
-"""engine/model.py on a GPU: fp32 agrees with the CPU, bf16 agrees with transformers on the same GPU."""
+"""model/model.py on a GPU: fp32 agrees with the CPU, bf16 agrees with transformers on the same GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from northcode.engine.model import NorthModel
+from northcode.model.model import NorthModel
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32
@@ -58,7 +58,7 @@ REAL_LAYERS = 5  # layer 0 dense full attention with forced RoPE, 1-3 sliding, 4
 def real_width_config():
     import dataclasses
 
-    from northcode.engine.synthetic import preset_config
+    from northcode.model.synthetic import preset_config
 
     if torch.cuda.get_device_properties(0).total_memory < 60e9:
         pytest.skip("needs a GPU with 60 GB or more")
@@ -70,7 +70,7 @@ def real_width_config():
 def test_real_width_decode_matches_recomputation_across_the_window(real_width_config):
     """fp32: prefill up to just before the 4096 window, then decode one token at a time past it;
     each step's logits equal those of one prefill over the whole sequence."""
-    from northcode.engine.synthetic import random_weights
+    from northcode.model.synthetic import random_weights
 
     model = NorthModel(real_width_config, random_weights(real_width_config, "cuda", torch.float32))
     ids = prompt(real_width_config.vocab_size, length=4096 + 64)
@@ -87,7 +87,7 @@ def test_real_width_bf16_matches_transformers(real_width_config):
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Cohere2MoeForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no Cohere2MoeForCausalLM")
-    from northcode.engine.synthetic import random_weights
+    from northcode.model.synthetic import random_weights
 
     weights = random_weights(real_width_config, "cuda", torch.bfloat16)
     ours = NorthModel(real_width_config, weights)

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from northcode.engine.checkpoint import load_checkpoint, save_checkpoint
-from northcode.engine.synthetic import LazyRandomWeights, preset_config, random_tensor, random_weights
+from northcode.model.checkpoint import load_checkpoint, save_checkpoint
+from northcode.model.synthetic import LazyRandomWeights, preset_config, random_tensor, random_weights
 
 pytestmark = pytest.mark.gpu
 

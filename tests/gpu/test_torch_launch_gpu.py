@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from northcode.engine.checkpoint import load_checkpoint
+from northcode.model.checkpoint import load_checkpoint
 from tests.test_torch_backend import decoded_and_launched
 
 pytestmark = pytest.mark.gpu

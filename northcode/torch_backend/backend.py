@@ -1,4 +1,4 @@
-"""TorchBackend: prefill and decode of cohere2_moe in PyTorch, on the paged KV cache (backend.py protocol).
+"""TorchBackend: prefill and decode of cohere2_moe in PyTorch, on the paged KV cache (engine/backend.py protocol).
 
 What it owns: the weights in the layout its kernels want (per layer one fused weight of the QKV rows in
 slot-major order plus, on sparse layers, the router's rows; a fused gate_up for dense layers; everything
@@ -12,7 +12,7 @@ graphs of the decode step.
   - decode (decode_step.py) runs one step in a CUDA graph per (batch bucket, context bucket) over static
     input buffers on a GPU, eagerly on the CPU; the same code either way. Context buckets grow by an
     eighth of an octave (16, 18, 20, ... pages), so a graph reads at most ~12% more pages than needed.
-  - launch_decode (torch_launch.py) enqueues the same step for the engine's pipeline: carried rows take the
+  - launch_decode (launch.py) enqueues the same step for the engine's pipeline: carried rows take the
     previous launch's tokens on the device, the rows are sampled on the device, and the host reads the tokens
     only in `result()`, after it has launched the next step.
   Both run the model through `decode_logits` (the one place tests inject hangs and failures).
@@ -20,8 +20,8 @@ A graph is captured on the backend's own stream after two warm-up steps there, w
 run first and held off meanwhile: a dead backend's graphs (backends live in reference cycles) destroyed in
 the middle of a capture invalidate it. A capture that fails anyway is undone, logged and kept in
 `capture_failures`; that (batch, context) bucket then runs eagerly.
-decode samples with the PyTorch sampler (sampling.py) on the same device, after the step; launch_decode with
-torch_launch.sample_on_device (the same draws, no host read). Host inputs (token ids, positions, rows, block
+decode samples with the PyTorch sampler (engine/sampling.py) on the same device, after the step; launch_decode with
+launch.sample_on_device (the same draws, no host read). Host inputs (token ids, positions, rows, block
 tables) go up through pinned memory without a sync.
 NORTHCODE_TORCH_MOE=grouped|gathered picks the decode MoE path (routed_experts.py) to measure both.
 """
@@ -37,15 +37,15 @@ import torch.nn.functional as F
 
 from northcode.config import ModelConfig
 from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch
-from northcode.engine.decode_step import DecodeStep, slot_major_qkv
 from northcode.engine.kv_cache import page_bytes
-from northcode.engine.model import check_weights, layer_weights, rope_inv_freq
-from northcode.engine.paged_prefill import ChunkPrefill
 from northcode.engine.request import SamplingParams
-from northcode.engine.routed_experts import choose_moe_path
 from northcode.engine.sampling import Sampler
-from northcode.engine.torch_launch import LaunchedDecode, carried_tokens, check_launchable, copy_from_host
-from northcode.engine.torch_launch import sample_on_device, to_device
+from northcode.model.model import check_weights, layer_weights, rope_inv_freq
+from northcode.torch_backend.decode_step import DecodeStep, slot_major_qkv
+from northcode.torch_backend.launch import LaunchedDecode, carried_tokens, check_launchable, copy_from_host
+from northcode.torch_backend.launch import sample_on_device, to_device
+from northcode.torch_backend.paged_prefill import ChunkPrefill
+from northcode.torch_backend.routed_experts import choose_moe_path
 
 log = logging.getLogger(__name__)
 MIN_CONTEXT_PAGES = 4  # smallest context bucket of the decode graphs (pages of full layers)
@@ -163,7 +163,7 @@ class TorchBackend:
 
     @torch.inference_mode()
     def launch_decode(self, batch: DecodeBatch, carry: list[int]) -> LaunchedDecode:
-        """Enqueue one decode step and its sampling; return without reading the device (backend.py).
+        """Enqueue one decode step and its sampling; return without reading the device (engine/backend.py).
         carry[b] >= 0: row b feeds the token row carry[b] of the previous launch sampled."""
         previous = self.last_launch_tokens
         check_launchable(batch, carry, None if previous is None else previous.shape[0])

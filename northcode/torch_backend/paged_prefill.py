@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from northcode.engine.model import apply_rope, rope_cos_sin, swiglu
-from northcode.engine.routed_experts import add_moe
-from northcode.engine.torch_launch import to_device
+from northcode.model.model import apply_rope, rope_cos_sin, swiglu
+from northcode.torch_backend.launch import to_device
+from northcode.torch_backend.routed_experts import add_moe
 
 SCORE_BUDGET_BYTES = 1 << 30  # fp32 attention scores of one query block at most
 

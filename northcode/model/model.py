@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from northcode.config import ModelConfig
-from northcode.engine.checkpoint import ProgressCallback, canonical_shapes, load_checkpoint
+from northcode.model.checkpoint import ProgressCallback, canonical_shapes, load_checkpoint
 
-# --- building blocks (shared with engine/torch_backend.py) ---
+# --- building blocks (shared with torch_backend/backend.py) ---
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:

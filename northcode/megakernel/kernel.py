@@ -3,8 +3,8 @@
 `build_library(config)` compiles the .cu for the checkpoint's geometry (compile-time constants) into a
 cache under paths.data_dir()/kernels keyed by a hash of source, geometry, flags and nvcc version;
 `Megakernel` owns the library, the scratch buffers and the per-(batch, splits) task lists
-(megakernel_tasks.py builds them), and launches one step per call on the current stream without
-waiting for it; megakernel_backend.py's `MegakernelBackend` is the engine's decode backend over it.
+(tasks.py builds them), and launches one step per call on the current stream without
+waiting for it; backend.py's `MegakernelBackend` is the engine's decode backend over it.
 Sampling happens on the device; this file never schedules requests and holds no engine state.
 """
 
@@ -24,12 +24,12 @@ import torch
 
 from northcode import paths
 from northcode.config import ModelConfig
-from northcode.engine.megakernel_variants import (FLAG_NO_KV_PRELOAD, FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT,
-                                                  VARIANTS, Variant, variant_from_env)
-from northcode.engine.megakernel_tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, WAVE_ORDERS, Schedule,
-                                               TaskType, attention_splits, build_schedule, flatten, make_task,
-                                               place_waves, summarize_profile)
-from northcode.engine.torch_launch import to_device
+from northcode.megakernel.tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, WAVE_ORDERS, Schedule,
+                                        TaskType, attention_splits, build_schedule, flatten, make_task,
+                                        place_waves, summarize_profile)
+from northcode.megakernel.variants import (FLAG_NO_KV_PRELOAD, FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT,
+                                           VARIANTS, Variant, variant_from_env)
+from northcode.torch_backend.launch import to_device
 
 __all__ = ["FLAG_NO_KV_PRELOAD", "FLAG_PREFETCH_CURRENT", "FLAG_PREFETCH_NEXT", "VARIANTS",
            "Megakernel", "RowSpec", "Schedule", "Variant", "variant_from_env", "TaskType",
@@ -208,7 +208,7 @@ class Megakernel:
         """row_buffers: pinned staging buffers of the row states, used in turn; a launch waits for the copy out
         of the buffer it reuses (row_buffers launches back). Twice a step's launches: a step enqueued while the
         previous one runs never waits."""
-        from northcode.engine.model import rope_inv_freq
+        from northcode.model.model import rope_inv_freq
 
         self.config, self.device = config, k_pool.device
         self.lib = load_library(build_library(config), config)

@@ -3,8 +3,8 @@
 A decode step of a small batch is bound by its kernel count as much as by its bytes (a CUDA-graph node
 costs about 0.5 us plus a tail; shared/docs/perf_anchors.md), so this step is organised to launch as
 few kernels as stock PyTorch ops allow, with static shapes for a (batch, context bucket) pair, no host
-sync and no Python loop over rows or experts: it is captured whole in a CUDA graph (torch_backend.py).
-`python -m northcode.engine.op_count` counts its kernels on the CPU (North Mini Code's layer plan:
+sync and no Python loop over rows or experts: it is captured whole in a CUDA graph (backend.py).
+`python -m northcode.torch_backend.op_count` counts its kernels on the CPU (North Mini Code's layer plan:
 1050 at batch 1, 1279 at batch 8; the step this replaced took 2825 and 2972).
 
 Once per step (`prepare`, 37 small kernels whatever the depth):
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from northcode.engine.model import rope_cos_sin
-from northcode.engine.routed_experts import add_moe
+from northcode.model.model import rope_cos_sin
+from northcode.torch_backend.routed_experts import add_moe
 
 
 @dataclass(slots=True)

@@ -17,9 +17,9 @@ sort, a top-k or a cumsum can take 2-3 kernels where it counts one here, a group
 device (`item`, `nonzero`, ...) cannot be in a CUDA graph: they are reported as host syncs.
 Kernels are attributed to the step's parts: prepare, each layer kind (decode_step.layer_kind), lm_head.
 
-    python -m northcode.engine.op_count [--batch 1] [--context 8192] [--ops]
-    python -m northcode.engine.op_count --cuda     # on a GPU: the CUDA kernels torch.profiler sees
-    python -m northcode.engine.op_count --time     # on a GPU, real widths: where the step's time goes
+    python -m northcode.torch_backend.op_count [--batch 1] [--context 8192] [--ops]
+    python -m northcode.torch_backend.op_count --cuda     # on a GPU: the CUDA kernels torch.profiler sees
+    python -m northcode.torch_backend.op_count --time     # on a GPU, real widths: where the step's time goes
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _suspended(mode: TorchDispatchMode):
 def structural_config():
     """North Mini Code's structure (49 layers and their kinds, 128 experts top-8, 32/4 heads, window
     4096) at tiny widths: hidden 64, head_dim 16, expert width 16, dense width 32, vocab 512."""
-    from northcode.engine.synthetic import preset_config
+    from northcode.model.synthetic import preset_config
 
     full = preset_config("north-mini-code")
     return dataclasses.replace(full, hidden_size=64, head_dim=16, intermediate_size=16,
@@ -108,7 +108,7 @@ def structural_config():
 
 def count_step(step, config) -> KernelCounter:
     """Run one decode_step.DecodeStep call (step(...) with its arguments bound) under the counter."""
-    from northcode.engine.decode_step import layer_kind
+    from northcode.torch_backend.decode_step import layer_kind
 
     counter = KernelCounter()
     decoder = step.func.__self__ if hasattr(step, "func") else None
@@ -145,8 +145,8 @@ def decode_step_at(batch: int, context: int, config=None, device: str = "cpu", d
     import functools
 
     from northcode.engine.kv_cache import KVCacheManager
-    from northcode.engine.synthetic import random_weights
-    from northcode.engine.torch_backend import TorchBackend, context_bucket
+    from northcode.model.synthetic import random_weights
+    from northcode.torch_backend.backend import TorchBackend, context_bucket
 
     config = config or structural_config()
     weights = random_weights(config, device=device, dtype=dtype)
@@ -209,7 +209,7 @@ def time_cuda_step(batch: int = 1, context: int = 8192, repeats: int = 20) -> di
     launches and the gaps between kernels cost."""
     from torch.profiler import ProfilerActivity, profile
 
-    from northcode.engine.synthetic import preset_config
+    from northcode.model.synthetic import preset_config
 
     step = decode_step_at(batch, context, preset_config("north-mini-code"), device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
@@ -262,7 +262,7 @@ def print_timing(batch: int, context: int, top: int = 25) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from northcode.engine.decode_step import layer_kind
+    from northcode.torch_backend.decode_step import layer_kind
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)

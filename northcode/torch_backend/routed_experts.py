@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from northcode.config import ModelConfig
-from northcode.engine.model import expert_weights, route, run_experts
+from northcode.model.model import expert_weights, route, run_experts
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10 on
 MOE_PATHS = ("grouped", "gathered")  # "loop" (model.run_experts, host syncs) serves fp32 prefill on a GPU

@@ -1,4 +1,4 @@
-"""MegakernelBackend: backend.py's protocol, decode in the megakernel (megakernel.py), prefill in a TorchBackend.
+"""MegakernelBackend: engine/backend.py's protocol, decode in the megakernel (kernel.py), prefill in a TorchBackend.
 
 A step of B rows is ceil(B / 8) kernel launches on one stream; each copies its sampled tokens out of the
 kernel's io buffer (the next launch overwrites it) into the step's device int32 [B + 4]: tokens, then the
@@ -17,10 +17,10 @@ import torch
 
 from northcode.config import ModelConfig
 from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch
-from northcode.engine.megakernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status, unsupported_reason
 from northcode.engine.request import SamplingParams
-from northcode.engine.torch_backend import TorchBackend
-from northcode.engine.torch_launch import LaunchedDecode, carried_tokens, check_launchable, to_device
+from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status, unsupported_reason
+from northcode.torch_backend.backend import TorchBackend
+from northcode.torch_backend.launch import LaunchedDecode, carried_tokens, check_launchable, to_device
 
 KernelFactory = Callable[[TorchBackend], Megakernel]  # the kernel over the prefiller's pools and block tables
 
@@ -54,7 +54,7 @@ class _Carried:
 
 
 class LaunchedKernelStep(LaunchedDecode):
-    """backend.py's PendingDecode of one step: its tokens and status on their way to the host."""
+    """engine/backend.py's PendingDecode of one step: its tokens and status on their way to the host."""
 
     def __init__(self, out: torch.Tensor, num_rows: int, kernel: Megakernel) -> None:
         """out: device int32 [num_rows + status words], written by kernels enqueued and maybe not yet run."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from northcode.config import ModelConfig
-from northcode.engine.checkpoint import canonical_shapes, resolve_dtype, save_checkpoint
+from northcode.model.checkpoint import canonical_shapes, resolve_dtype, save_checkpoint
 from northcode.paths import SYNTHETIC_KEY  # the config.json field that marks random weights
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"

@@ -1,4 +1,4 @@
-"""The torch backend's pipelined decode (backend.py's launch_decode): enqueue a step now, read its tokens later.
+"""The torch backend's pipelined decode (engine/backend.py's launch_decode): enqueue a step now, read its tokens later.
 
 One launch, with no read of the device from the host anywhere before `result()`:
   host inputs go up through pinned memory (non-blocking); rows carried from the previous launch take the
@@ -106,7 +106,7 @@ def draw_tokens(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 class LaunchedDecode:
-    """backend.py's PendingDecode for a TorchBackend launch: the tokens' copy to the host, under way."""
+    """engine/backend.py's PendingDecode for a TorchBackend launch: the tokens' copy to the host, under way."""
 
     def __init__(self, tokens: torch.Tensor) -> None:
         """tokens: device long [B], the step's sampled tokens (their kernels enqueued, maybe not run)."""

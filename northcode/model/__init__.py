@@ -1,0 +1,1 @@
+"""The model and its files: checkpoint I/O, the synthetic checkpoints, the tokenizer, the reference PyTorch model."""
