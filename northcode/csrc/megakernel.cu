@@ -95,8 +95,9 @@ enum TaskType : int {
 
 // Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
 // NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
-// DOWN_REVERSED: MoE down shares in reverse block order (see moe_stream).
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_DOWN_REVERSED = 8 };
+// DOWN_REVERSED: MoE down shares in reverse block order (see moe_stream). FAST_TOPK: see topk_slots_fast.
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_DOWN_REVERSED = 8,
+                   NC_FLAG_FAST_TOPK = 16 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -838,6 +839,8 @@ struct TopkSmem {
   int expert[kMaxBatch][kTopK];
   float weight[kMaxBatch][kTopK];
   int used[kExperts];
+  int slot_of[kExperts];   // FAST_TOPK: the slot of each used expert
+  int warp_used[kWarps];   // FAST_TOPK: used experts per 32-expert group
 };
 
 __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
@@ -885,11 +888,47 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
   }
 }
 
+// FAST_TOPK (a variant, not yet timed): the same slots and weights with no per-thread loops over the
+// experts: the chosen (row, k) pairs mark their experts, a ballot and popcount number the slots in
+// ascending id, and the (row, k) pairs scatter their weights into zeroed slot rows.
+__device__ void topk_slots_fast(const Params& p, const Task& t, TopkSmem& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pairs = p.batch_size * kTopK;
+  for (int i = threadIdx.x; i < pairs; i += kThreads) s.used[s.expert[i / kTopK][i % kTopK]] = 1;
+  __syncthreads();
+  const int e = threadIdx.x;  // kExperts <= kThreads: one expert per thread
+  const bool used = e < kExperts && s.used[e] != 0;
+  const unsigned mask = __ballot_sync(0xffffffffu, used);
+  if (lane == 0) s.warp_used[warp] = __popc(mask);
+  __syncthreads();
+  int slot = __popc(mask & ((1u << lane) - 1u)), total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    slot += w < warp ? s.warp_used[w] : 0;
+    total += s.warp_used[w];
+  }
+  if (used) {
+    s.slot_of[e] = slot;
+    p.moe_slots[1 + slot] = e;
+  }
+  for (int i = threadIdx.x; i < total * kMaxBatch; i += kThreads) p.slot_weight[i] = 0.f;
+  if (threadIdx.x == 0) {
+    p.moe_slots[0] = total;
+    p.expert_counts[t.layer] = total;
+  }
+  __syncthreads();  // slot_of is complete; the zeros are written before the weights below
+  for (int i = threadIdx.x; i < pairs; i += kThreads) {
+    const int b = i / kTopK, k = i % kTopK;
+    p.slot_weight[s.slot_of[s.expert[b][k]] * kMaxBatch + b] = s.weight[b][k];
+  }
+}
+
 __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
   TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
   const int warp = threadIdx.x >> 5;
+  const bool fast = p.flags & NC_FLAG_FAST_TOPK;
+  if (fast && threadIdx.x < kExperts) s.used[threadIdx.x] = 0;
   if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
   __syncthreads();
+  if (fast) return topk_slots_fast(p, t, s);
   for (int e = threadIdx.x; e < kExperts; e += kThreads) {
     int used = 0;
     for (int b = 0; b < p.batch_size; ++b)

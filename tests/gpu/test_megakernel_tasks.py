@@ -166,12 +166,15 @@ def test_oproj_adds_into_the_residual(geometry: str) -> None:
     assert rel_err(kernel.x - x, ref) < REL_TOL
 
 
-def test_router_topk_and_routed_experts(geometry: str) -> None:
+@pytest.mark.parametrize("flags", ["variant", "fast-topk", "down-reversed"])
+def test_router_topk_and_routed_experts(geometry: str, flags: str) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
-    and the routed experts' output match the reference computed with the kernel's choice."""
+    and the routed experts' output match the reference computed with the kernel's choice. flags: as
+    $NC_VARIANT sets them, or with FAST_TOPK (slots by ballot) or DOWN_REVERSED (down shares reversed)."""
     from northcode.bench.decode_oracle import route_weights
     from northcode.megakernel.kernel import TaskType, make_task
+    from northcode.megakernel.variants import FLAG_DOWN_REVERSED, FLAG_FAST_TOPK
     from northcode.model.model import run_experts
 
     config, weights, model, cache, kernel = env(geometry)
@@ -188,7 +191,10 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.router_logits.zero_()
-    run(kernel, waves, num_counters=4 + config.num_experts)
+    extra = {"variant": 0, "fast-topk": FLAG_FAST_TOPK, "down-reversed": FLAG_DOWN_REVERSED}[flags]
+    kernel.slot_weight.fill_(float("nan"))  # every (slot, row) the step uses must be written
+    with params_set(kernel, flags=kernel.params.flags | extra):
+        run(kernel, waves, num_counters=4 + config.num_experts)
     lw = model.layers[layer]
     logits_ref = F.linear(h, lw.router)  # bf16, as model.route
     assert rel_err(kernel.router_logits, logits_ref.float()) < REL_TOL
