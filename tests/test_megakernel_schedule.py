@@ -107,3 +107,12 @@ def test_variant_names_are_checked(monkeypatch) -> None:
     monkeypatch.setenv("NC_VARIANT", "fastest")
     with pytest.raises(ValueError, match="NC_VARIANT='fastest'.*no-kv-preload"):
         variant_from_env()
+
+
+def test_a_growing_context_asks_for_few_task_lists() -> None:
+    """Task lists are cached per split tuple and cost 0.1-0.2 s of Python each: a sequence growing from 1 to
+    5,000 tokens must need only a handful (split counts are powers of two until they reach the SMs' share)."""
+    config = preset_config("north-mini-code")
+    for batch in (1, 3, 8):
+        seen = {attention_splits(config, batch, 132, context) for context in range(1, 5000)}
+        assert len(seen) <= 7, f"batch {batch}: {len(seen)} different task lists"

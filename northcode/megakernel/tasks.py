@@ -98,13 +98,16 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
 
 def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int) -> tuple[int, ...]:
     """KV splits per layer: as many (row, head, split) tasks as fit on the SMs in one round (a second round
-    would double the attention phase for a few blocks), never more splits than pages."""
+    would double the attention phase for a few blocks), and for short contexts about as many as pages,
+    rounded up to a power of two: the task lists are cached per split tuple and take 0.1-0.2 s of Python
+    to build, so a context that grows by a page must not ask for new ones (empty splits cost nothing)."""
     wanted = min(MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
     splits = []
     for layer in range(config.num_hidden_layers):
         window = config.window(layer)
         tokens = min(context + 1, window) if window else context + 1
-        splits.append(max(1, min(wanted, math.ceil(tokens / PAGE_SIZE) + 1)))
+        pages = math.ceil(tokens / PAGE_SIZE) + 1
+        splits.append(max(1, min(wanted, 1 << (pages - 1).bit_length())))
     return tuple(splits)
 
 
