@@ -11,12 +11,12 @@ products never mix in another row's, and the fp32 sums of bf16 terms into the re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import torch
 
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE
+from tests.gpu.test_torch_launch_gpu import no_device_sync
 from tests.test_engine import prompt_of, run, tokens_of
 from tests.test_megakernel_backend_cpu import MAX_PAGES, NUM_PAGES, ORDERS, ROWS, decoded, launched
 
@@ -29,15 +29,6 @@ MIN_AGREEMENT = 0.6  # teacher-forced argmax agreement with fp32; bf16 paths of 
 def hopper():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the megakernel runs on sm_90 only")
-
-
-@contextlib.contextmanager
-def no_device_sync():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def build_schedules(backend, max_context: int) -> None:
