@@ -4,7 +4,8 @@ On start it finds or starts `northcode serve` (showing the loading phase), then 
 turn per prompt in an exclusive worker. Esc cancels that worker: the HTTP stream is closed,
 so the server aborts the request, and a running shell command's process group is killed.
 Messages are saved to the session store as they are appended (a session row is created with
-the first prompt). The status line shows model, mode, live tokens/s, TTFT, context, cache, KV.
+the first prompt). The status line shows model, mode, live tokens/s, TTFT, context, cache, KV
+(agent/session_stats.py computes and words them; agent/served_model.py describes the model).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from northcode.agent.loop import Agent, ToolEvent, TurnResult
 from northcode.agent.mentions import expand_mentions
 from northcode.agent.metrics import kv_usage
 from northcode.agent.sandbox import Workspace
+from northcode.agent.served_model import ServedModel, describe_served_model
+from northcode.agent.session_stats import StreamRate, usage_changes
 from northcode.agent.sessions import SessionRecorder, SessionStore
 from northcode.agent.tools import PreparedCall, ToolBox
 from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
@@ -36,19 +39,6 @@ from northcode.tui.widgets import AssistantMessage, Notice, PromptInput, StatusL
 log = logging.getLogger(__name__)
 RANDOM_WEIGHTS_NOTICE = ("This model's weights are random (a demo or synthetic checkpoint): its answers are noise, "
                          "and it will rarely call a tool. Start northcode with --model DIR for a real model.")
-
-
-def context_window(models: list[dict], model_id: str) -> int | None:
-    """The context length a /v1/models entry states (vLLM, llama.cpp and northcode spell it differently)."""
-    for entry in models:
-        if entry.get("id") != model_id:
-            continue
-        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
-        for value in (entry.get("max_model_len"), entry.get("context_length"), entry.get("context_window"),
-                      meta.get("n_ctx"), meta.get("n_ctx_train")):
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
 
 
 class NorthcodeApp(App):
@@ -78,12 +68,12 @@ class NorthcodeApp(App):
         self.client: ChatClient | None = None
         self.agent: Agent | None = None
         self.recorder: SessionRecorder | None = None
-        self.models: list[dict] = []
+        self.served: ServedModel | None = None
         self.model_label = ""
         self.current: AssistantMessage | None = None
         self.tool_views: dict[str, ToolCallView] = {}
         self.pending_calls: dict[int, tuple[ToolCallView, str, int]] = {}  # call index -> (view, name, characters)
-        self.stream_start: tuple[float, int] | None = None  # (elapsed_s, num_chunks) at the first fragment
+        self.stream_rate = StreamRate()
         self.slash = SlashCommands(self)
         self.started_server: str | None = None  # "started northcode serve on URL (pid N, log FILE)"
 
@@ -137,23 +127,18 @@ class NorthcodeApp(App):
         try:
             root = await server_process.connect(self.endpoint, self.model_dir, on_phase)
             self.client = ChatClient(root)
-            served = await self.client.resolve_model()
-            self.models = await self.client.list_models()
+            self.served = served = await describe_served_model(self.client)
         except (EndpointError, OSError, ValueError) as err:  # OSError: the server could not be started
             self.status.show(model="offline", busy="")
             progress.update(f"Cannot connect: {err}")
             progress.set_classes("notice error")
             return
-        card = next((m for m in self.models if m.get("id") == served), {"id": served})
-        self.model_label = server_process.model_label(card)
-        random_weights = server_process.has_random_weights(card)
-        short_label = self.model_label.split(" (")[0] + " (RANDOM WEIGHTS)" if random_weights \
-            else self.model_label  # the welcome line has the whole name; the status line has little room
-        self.status.show(model=short_label, context_window=context_window(self.models, served), busy="")
+        self.model_label = served.label  # the welcome line has the whole name; the status line the short one
+        self.status.show(model=served.short_label, context_window=served.context_window, busy="")
         progress.update(f"{self.model_label} · workspace {self.workspace.root.name} · /help for keys and commands")
         for note in kept:
             await self.add(Notice(note + "; it keeps running after you quit"))
-        if random_weights:
+        if served.random_weights:
             await self.add(Notice(RANDOM_WEIGHTS_NOTICE, "warning"))
         await self.refresh_metrics()
         if self.resume_id:
@@ -186,13 +171,21 @@ class NorthcodeApp(App):
         except ValueError as err:
             await self.add(Notice(str(err), "error"))
             return
-        await self.chat.remove_children()
-        self.tool_views.clear()
-        self.pending_calls.clear()
+        await self.clear_transcript()
         self.start_session(messages, session_id)
         for message in messages:
             await self.show_saved(message)
         await self.add(Notice(f"resumed session {session_id} ({len(messages)} messages) · {self.model_label}"))
+
+    async def clear_transcript(self) -> None:
+        await self.chat.remove_children()
+        self.tool_views.clear()
+        self.pending_calls.clear()
+
+    async def add_tool_view(self, call_id: str, view: ToolCallView) -> ToolCallView:
+        self.tool_views[call_id] = view
+        await self.add(view)
+        return view
 
     async def show_saved(self, message: dict) -> None:
         role = message.get("role")
@@ -202,9 +195,8 @@ class NorthcodeApp(App):
             if message.get("content") or message.get("reasoning_content"):
                 await self.add(AssistantMessage(message.get("content") or "", message.get("reasoning_content") or ""))
             for call in message.get("tool_calls") or []:
-                view = ToolCallView(f"{call['function']['name']} {call['function']['arguments'][:80]}")
-                self.tool_views[call["id"]] = view
-                await self.add(view)
+                function = call["function"]
+                await self.add_tool_view(call["id"], ToolCallView(f"{function['name']} {function['arguments'][:80]}"))
         elif role == "tool" and message.get("tool_call_id") in self.tool_views:
             self.tool_views[message["tool_call_id"]].show_result(str(message.get("content", "")), True)
 
@@ -280,10 +272,8 @@ class NorthcodeApp(App):
             self.set_timer(1.0, self.poll_metrics_while_busy)
 
     async def end_stream(self) -> None:
-        if self.current is not None:
-            await self.current.finish()
-            self.current = None
-        self.stream_start = None
+        await self.end_text()
+        self.stream_rate.reset()
         for view, _, _ in self.pending_calls.values():  # the calls get their own views once whole
             await view.remove()
         self.pending_calls.clear()
@@ -293,18 +283,16 @@ class NorthcodeApp(App):
             await self.on_delta(event)
         elif isinstance(event, Completion):
             await self.end_stream()
-            self.show_usage(event)
+            self.status.show(**usage_changes(event))
         elif event.output is None:
             self.status.show(busy=f"running {event.call.name}…")
             prepared = event.prepared
             view = ToolCallView(prepared.title, prepared.preview, prepared.kind) if prepared else ToolCallView(event.call.name)
-            self.tool_views[event.call.id] = view
-            await self.add(view)
+            await self.add_tool_view(event.call.id, view)
         else:
             view = self.tool_views.get(event.call.id)
-            if view is None:
-                view = self.tool_views[event.call.id] = ToolCallView(event.call.name, kind="read")
-                await self.add(view)
+            if view is None:  # a call that never announced its start
+                view = await self.add_tool_view(event.call.id, ToolCallView(event.call.name))
             view.show_result(event.output, event.ok)
             self.status.show(busy="generating…")
 
@@ -315,9 +303,8 @@ class NorthcodeApp(App):
             self.current = None
 
     async def on_delta(self, delta: Delta) -> None:
-        if self.stream_start is None:
-            self.stream_start = (delta.elapsed_s, delta.num_chunks)
-            self.status.show(ttft_s=delta.elapsed_s)
+        if changes := self.stream_rate.changes(delta):  # TTFT at the first fragment, then the live rate
+            self.status.show(**changes)
         if delta.kind == "tool_call":
             await self.end_text()
             view = ToolCallView(f"{delta.text} …")
@@ -330,30 +317,11 @@ class NorthcodeApp(App):
                 view, name, num_chars = pending
                 self.pending_calls[delta.call_idx or 0] = (view, name, num_chars + len(delta.text))
                 view.show_arguments_progress(name, num_chars + len(delta.text))
-            self.show_live_rate(delta)
             return
         if self.current is None:
             self.current = AssistantMessage()
             await self.add(self.current)
         await self.current.write(delta.kind, delta.text)
-        self.show_live_rate(delta)
-
-    def show_live_rate(self, delta: Delta) -> None:
-        first_s, first_chunks = self.stream_start
-        if delta.elapsed_s > first_s:  # live rate: fragments (about one token each) per second
-            self.status.show(tokens_per_s=(delta.num_chunks - first_chunks) / (delta.elapsed_s - first_s))
-
-    def show_usage(self, completion: Completion) -> None:
-        usage = completion.usage or {}
-        prompt_tokens = usage.get("prompt_tokens")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        changes: dict = {"ttft_s": completion.ttft_s}
-        if completion.decode_tokens_per_s is not None:
-            changes["tokens_per_s"] = completion.decode_tokens_per_s
-        if prompt_tokens:
-            changes["context_used"] = prompt_tokens + (usage.get("completion_tokens") or 0)
-            changes["cache_share"] = (cached or 0) / prompt_tokens
-        self.status.show(**changes)
 
     async def ask_approval(self, call: PreparedCall) -> Decision:
         self.status.show(busy="waiting for your answer…")
@@ -373,12 +341,11 @@ class NorthcodeApp(App):
             return self.is_busy  # False: the key goes on to the other ctrl+c bindings
         return super().check_action(action, parameters)
 
-    def action_stop_answer(self) -> None:
-        self.action_stop()
-
     def action_stop(self) -> None:
         if self.is_busy:
             self.workers.cancel_group(self, "turn")
+
+    action_stop_answer = action_stop  # ctrl+c's name: check_action lets it fall through when idle
 
     def action_cycle_mode(self) -> None:
         self.set_mode(self.approvals.mode.next())

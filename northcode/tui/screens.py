@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-from rich.syntax import Syntax
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -17,7 +16,9 @@ from textual.widgets import Button, DataTable, Markdown, Static
 
 from northcode.agent.approvals import Decision
 from northcode.agent.sessions import SessionInfo, SessionStore
+from northcode.agent.slash_commands import commands_table
 from northcode.agent.tools import PreparedCall
+from northcode.tui.widgets import highlighted
 
 
 class ApprovalScreen(ModalScreen[Decision]):
@@ -38,7 +39,7 @@ class ApprovalScreen(ModalScreen[Decision]):
             if self.call.kind != "shell":  # a command is shown once, highlighted, below
                 yield Static(self.call.title, markup=False, classes="approval-call")
             with VerticalScroll(id="approval-preview"):
-                yield Static(Syntax((self.call.preview or self.call.title).rstrip("\n"), language, theme="ansi_dark", word_wrap=True))
+                yield Static(highlighted(self.call.preview or self.call.title, language))
             with Horizontal(classes="buttons"):
                 yield Button("Allow once (y)", id="allow_once", variant="primary")
                 yield Button("Allow for this session (a)", id="allow_session")
@@ -97,7 +98,7 @@ class SessionsScreen(ModalScreen[str | None]):
         self.notify(f"deleted session {row_key.value}")
 
 
-HELP_TEXT = """\
+HELP_TEXT = f"""\
 # northcode
 
 *Esc closes this page; Up, Down and Page Up/Down scroll it.*
@@ -117,15 +118,7 @@ HELP_TEXT = """\
 
 **Commands**
 
-| command | does |
-| --- | --- |
-| /new | start a new session |
-| /sessions | list, resume or delete saved sessions |
-| /model [ID] | show the model and endpoint; switch to another served model |
-| /mode [ask\\|auto-edit\\|full-auto] | show or set when tools ask first |
-| /clear | clear the screen (the conversation goes on) |
-| /help | this page |
-| /quit | leave |
+{commands_table()}
 
 **Modes**: *ask* runs reads and asks before edits and commands; *auto-edit* also
 makes edits without asking; *full-auto* runs everything but commands that reach beyond the

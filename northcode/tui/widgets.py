@@ -2,18 +2,19 @@
 
 Assistant answers stream into a Markdown widget through MarkdownStream (it coalesces
 fragments that come faster than it can render); reasoning streams into a folded Collapsible.
-Nothing here talks to the endpoint: the app feeds these widgets.
+Nothing here talks to the endpoint: the app feeds these widgets (the status line's numbers and
+text come from agent/session_stats.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from rich.syntax import Syntax
 from textual import events
 from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Collapsible, Markdown, Static, TextArea
+
+from northcode.agent.session_stats import SessionStats
 
 
 class PromptInput(TextArea):
@@ -68,28 +69,12 @@ class PromptInput(TextArea):
         self.move_cursor(self.document.end)
 
 
-@dataclass
-class Stats:
-    """What the status line shows; None where not known yet."""
-
-    model: str = "connecting…"
-    mode: str = "ask"
-    workspace: str = ""
-    tokens_per_s: float | None = None
-    ttft_s: float | None = None
-    context_used: int | None = None  # tokens: prompt + completion of the last request
-    context_window: int | None = None
-    cache_share: float | None = None  # cached_tokens / prompt_tokens of the last request
-    kv_usage: float | None = None  # fraction of the server's KV pages in use
-    busy: str = ""  # "generating…", "loading: …", "" when idle
-
-
 class StatusLine(Static):
     """One line: model, mode, live tokens/s, TTFT, context used of the window, prefix-cache share, KV use."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__("", **kwargs)
-        self.stats = Stats()
+        self.stats = SessionStats()
 
     def show(self, **changes) -> None:
         for key, value in changes.items():
@@ -97,27 +82,12 @@ class StatusLine(Static):
         self.update(self.render_text(), layout=False)
 
     def render_text(self) -> str:
-        s = self.stats
-        parts = [s.model, f"mode {s.mode}"]
-        parts.append(f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s is not None else "– tok/s")
-        parts.append(f"TTFT {s.ttft_s * 1000:.0f} ms" if s.ttft_s is not None else "TTFT –")
-        if s.context_used is not None and s.context_window:
-            parts.append(f"ctx {s.context_used}/{s.context_window} ({s.context_used / s.context_window:.0%})")
-        elif s.context_used is not None:
-            parts.append(f"ctx {s.context_used}")
-        parts.append(f"cache {s.cache_share:.0%}" if s.cache_share is not None else "cache –")
-        parts.append(f"KV {_percent(s.kv_usage)}" if s.kv_usage is not None else "KV –")
-        if s.workspace:
-            parts.append(s.workspace)
-        text = " │ ".join(parts)
-        return f"{s.busy}  {text}" if s.busy else text
+        return self.stats.line()
 
 
-def _percent(fraction: float) -> str:
-    """0.25 -> "25%", but 0.003 -> "0.3%": a big KV pool in use by one chat is not "0%"."""
-    if 0 < fraction < 0.001:
-        return "<0.1%"
-    return f"{fraction:.1%}" if 0 < fraction < 0.095 else f"{fraction:.0%}"
+def highlighted(code: str, language: str) -> Syntax:
+    """A diff or a command, highlighted alike in the transcript and the approval prompt."""
+    return Syntax(code.rstrip("\n"), language, theme="ansi_dark", word_wrap=True)
 
 
 class UserMessage(Static):
@@ -186,7 +156,7 @@ class ToolCallView(Vertical):
     def compose(self):
         yield self.title_line
         if self.preview and self.kind == "edit":
-            yield Static(Syntax(self.preview.rstrip("\n"), "diff", theme="ansi_dark", word_wrap=True), classes="tool-preview")
+            yield Static(highlighted(self.preview, "diff"), classes="tool-preview")
         yield self.result
 
     def show_arguments_progress(self, name: str, num_chars: int) -> None:

@@ -1,0 +1,40 @@
+"""The slash commands typed in the app's prompt: their names and help lines, and parsing what was typed.
+
+One table (SLASH_COMMANDS) feeds the parser, the unknown-command notice and the help page, so
+a new command is one row here and one `cmd_<name>` method in tui/slash.py, which runs it.
+No UI here.
+"""
+
+from __future__ import annotations
+
+from northcode.agent.approvals import Mode
+
+SLASH_COMMANDS = (  # (name, its argument as the help page writes it (Markdown), what it does)
+    ("new", "", "start a new session"),
+    ("sessions", "", "list, resume or delete saved sessions"),
+    ("model", "[ID]", "show the model and endpoint; switch to another served model"),
+    ("mode", "[ask\\|auto-edit\\|full-auto]", "show or set when tools ask first"),
+    ("clear", "", "clear the screen (the conversation goes on)"),
+    ("help", "", "this page"),
+    ("quit", "", "leave"),
+)
+NAMES = tuple(name for name, _, _ in SLASH_COMMANDS)
+
+
+def parse_command(text: str) -> tuple[str, str]:
+    """"/mode  ask " -> ("mode", "ask"); a ValueError that lists the commands for an unknown name."""
+    name, _, argument = text[1:].strip().partition(" ")
+    if name not in NAMES:
+        raise ValueError(f"unknown command /{name}; the commands are {' '.join(f'/{n}' for n in NAMES)}")
+    return name, argument.strip()
+
+
+def mode_from_argument(argument: str, current: Mode) -> Mode:
+    """/mode's argument: a mode by name (ValueError for another word), or, without one, the next mode."""
+    return Mode.parse(argument) if argument else current.next()
+
+
+def commands_table() -> str:
+    """The commands as a Markdown table, for the help page."""
+    rows = [f"| /{name}{' ' + argument if argument else ''} | {does} |" for name, argument, does in SLASH_COMMANDS]
+    return "\n".join(["| command | does |", "| --- | --- |", *rows])
