@@ -3,7 +3,8 @@
 #     run(command="bash tools/device_megakernel.sh", timeout_s=500)
 # Env: BENCH_VARIANTS (megakernel variants timed against the default, as megakernel/<name>),
 #      FULL49 (1: also the 49-layer teacher-forced test at B = 1 and the 32K-context test), BENCH_TORCH (1: torch too).
-# Logs in $OUT/<phase>.log, figures in $OUT/report.jsonl; a short table is printed last.
+# Logs in $OUT/<phase>.log, figures in $OUT/report.jsonl (they come back as logs.tgz), the default's raw profiles
+# as $OUT/profile-megakernel-b{1,8}-c8192.pt; a short table is printed last.
 set -u
 OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"
@@ -41,6 +42,10 @@ BACKENDS=megakernel
 phase bench 150 python3 -m northcode.bench.decode_bench --quick --profile --backends $BACKENDS \
   --variants $BENCH_VARIANTS --out "$OUT/bench"
 cp "$OUT/bench/decode_bench.json" "$OUT/decode_bench.json" 2>/dev/null
+for b in 1 8; do  # the default's raw profiles come back (offline: python -m northcode.bench.profile_report FILE)
+  cp "$OUT/bench/profile-megakernel-b$b-c8192.pt" "$OUT/" 2>/dev/null
+  python3 -m northcode.bench.profile_report "$OUT/profile-megakernel-b$b-c8192.pt" --layer 25 > "$OUT/layer25-b$b.txt" 2>&1
+done
 
 echo "==== pytest ===="
 grep -hE "^FAILED|^ERROR|passed|failed" "$OUT/tiny.log" "$OUT/tasks5.log" "$OUT/full.log" | cut -c1-300 | tail -20
@@ -78,5 +83,9 @@ for r in data["results"]:
     print(f"{r['backend']:<28}{r['batch']:>3}{r['ms_per_step']:9.3f}{r['tokens_per_s']:8.1f}{r['gb_per_step']:7.2f}"
           f"{100 * r['sol_datasheet']:7.1f}%{100 * r['sol_measured']:7.1f}%{change:>11}")
 PY
+echo "==== what gated layer 25 at B=1 (profile_report) ===="
+sed -n '/gated/,$p' "$OUT/layer25-b1.txt" | cut -c1-150
 echo "==== phases ===="
 cat "$OUT/phases.txt"
+# at most 8 files come back from $OUT: the logs travel as one archive
+(cd "$OUT" && tar czf logs.tgz *.log *.txt report.jsonl 2>/dev/null && rm -f *.log report.jsonl layer25-b*.txt && rm -rf bench)

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                 for backend in backends:
                     try:
                         cell = bench_cell(config, weights, backend, batch, context, args.steps, args.warmup, bandwidth,
-                                          args.profile)
+                                          args.profile, args.out)
                     except torch.OutOfMemoryError:  # the cell's KV cache does not fit next to the weights
                         torch.cuda.empty_cache()
                         print(f"{backend} B={batch} ctx={context}: out of GPU memory, skipped", flush=True)
@@ -151,7 +151,9 @@ def bytes_per_step(config, expert_counts: list[int], lengths: list[int]) -> floa
 
 
 def bench_cell(config, weights, backend: str, batch: int, context: int, steps: int, warmup: int,
-               bandwidth: dict, profile: bool = False) -> dict | None:
+               bandwidth: dict, profile: bool = False, out: Path | None = None) -> dict | None:
+    """One (backend, batch, context) cell; with `profile`, the raw per-task record goes to
+    out/profile-<backend>-b<batch>-c<context>.pt (`python -m northcode.bench.profile_report` reads it)."""
     import torch
 
     from northcode.bench.decode_setup import paged_cache
@@ -171,6 +173,9 @@ def bench_cell(config, weights, backend: str, batch: int, context: int, steps: i
     torch.cuda.empty_cache()
     nbytes = bytes_per_step(config, counts, [context + warmup + steps // 2] * batch)
     if breakdown:
+        raw = breakdown.pop("raw", None)
+        if raw is not None and out is not None:
+            torch.save(raw, out / f"profile-{backend.replace('/', '-')}-b{batch}-c{context}.pt")
         print(f"  profile {backend} B={batch}: span {breakdown['span_us']} us, busy {breakdown['busy_fraction']:.0%}, median layer "
               f"{sorted(breakdown['layer_us'])[len(breakdown['layer_us']) // 2]} us; "
               + ", ".join(f"{k} wait {v['wait_us']} busy {v['busy_us']}" for k, v in breakdown["by_type"].items()))

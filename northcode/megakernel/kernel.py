@@ -357,7 +357,8 @@ class Megakernel:
             raise RuntimeError(f"megakernel: {self.lib.nc_last_error().decode()}")
 
     def profile_step(self, rows: list[RowSpec], tokens: torch.Tensor | None = None) -> dict:
-        """Run one step with per-task timestamps and return summarize_profile's breakdown (synchronises)."""
+        """Run one step with per-task timestamps and return summarize_profile's breakdown (synchronises), with
+        the raw record under "raw" (CPU tensors: tasks, task_start, times; bench/profile_report.py reads it)."""
         schedule = self.schedule(len(rows), max(r.position for r in rows))
         times = torch.zeros(schedule.tasks.shape[0], 3, dtype=torch.int64, device=self.device)
         self.params.profile = times.data_ptr()
@@ -366,7 +367,8 @@ class Megakernel:
             self.check()
         finally:
             self.params.profile = 0
-        return summarize_profile(schedule.tasks.cpu(), schedule.task_start.cpu(), times.cpu())
+        tasks, task_start, times = schedule.tasks.cpu(), schedule.task_start.cpu(), times.cpu()
+        return dict(summarize_profile(tasks, task_start, times), raw=dict(tasks=tasks, task_start=task_start, times=times))
 
     def enable_trace(self, on: bool = True) -> None:
         """Record, each step, the residual every layer reads (`trace_x` [L + 1, 8, H] fp32, row L: the final
