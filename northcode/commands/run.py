@@ -85,7 +85,8 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
     from northcode.agent.client import ChatClient, EndpointError
     from northcode.agent.loop import Agent
     from northcode.agent.sandbox import Workspace
-    from northcode.agent.server_process import connect, has_random_weights, model_label
+    from northcode.agent.served_model import describe_served_model
+    from northcode.agent.server_process import connect
     from northcode.agent.sessions import SessionRecorder, SessionStore
     from northcode.agent.tools import ToolBox
 
@@ -98,17 +99,16 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
     try:
         root = await connect(args.endpoint, model_dir, lambda phase: _progress(f"northcode run: server {phase}"))
         client = ChatClient(root)
-        served = await client.resolve_model()
-        card = next((m for m in await client.list_models() if m.get("id") == served), {"id": served})
+        model = await describe_served_model(client)
     except EndpointError as err:
         transcript["error"] = str(err)
         store.close()
         if client is not None:
             await client.aclose()
         return EXIT_ENDPOINT, transcript
-    label = model_label(card)
+    served, label = model.model_id, model.label
     _progress(f"northcode run: {label} at {root}, workspace {workspace.root}, mode {args.mode}")
-    if has_random_weights(card):
+    if model.random_weights:
         _progress("northcode run: the model's weights are random: expect noise, not an answer (use --model DIR)")
     history = store.messages(session_id) if session_id else None
     recorder = SessionRecorder(store, workspace.root, served, session_id)
