@@ -1,15 +1,22 @@
 """CPU: the megakernel's task lists. Simulating the per-block lists in order (a task runs once its
 counters reach their targets) must finish every list, for every batch size, split count and variant
 (megakernel.VARIANTS): no deadlock, every target reachable and exactly reached, every decode-step task
-type of the variant present."""
+type of the variant present. build_schedule's tensor path must give exactly what the list-based reference
+(make_task per task, place_waves, flatten; the implementation it replaced) gives, for every configuration."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+import time
 
 import pytest
 import torch
 
-from northcode.megakernel.kernel import (TASK_WORDS, VARIANTS, TaskType, attention_splits, build_schedule, make_task,
-                                         place_waves)
+from northcode.config import ModelConfig
+from northcode.megakernel.kernel import (TASK_WORDS, VARIANTS, WAVE_ORDERS, Schedule, TaskType, attention_splits,
+                                         build_schedule, flatten, make_task, place_waves)
+from northcode.megakernel.tasks import _Counters
 from northcode.model.synthetic import preset_config
 
 
@@ -110,9 +117,131 @@ def test_variant_names_are_checked(monkeypatch) -> None:
 
 
 def test_a_growing_context_asks_for_few_task_lists() -> None:
-    """Task lists are cached per split tuple and cost 0.1-0.2 s of Python each: a sequence growing from 1 to
-    5,000 tokens must need only a handful (split counts are powers of two until they reach the SMs' share)."""
+    """Task lists are cached per split tuple and cost about 10 ms of Python and an upload each: a sequence
+    growing from 1 to 5,000 tokens must need only a handful (split counts are powers of two until they reach the SMs' share)."""
     config = preset_config("north-mini-code")
     for batch in (1, 3, 8):
         seen = {attention_splits(config, batch, 132, context) for context in range(1, 5000)}
         assert len(seen) <= 7, f"batch {batch}: {len(seen)} different task lists"
+
+
+def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
+                     qkv_tiles: int, counters: _Counters, previous: tuple, waves: list) -> tuple:
+    """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
+    norm waits on."""
+    kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
+    norm_done = counters.alloc()
+    waves.append([make_task(TaskType.NORM, layer, (b,), previous, norm_done) for b in range(batch)])
+    qkv_done = counters.alloc(kvh)
+    qkv, per_group = [], [0] * kvh
+    for g in range(kvh):
+        for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
+                             ((c.q_size + c.kv_size + g * d) // 16, d // 16)):
+            for tile in range(first, first + count, qkv_tiles):
+                qkv.append(make_task(TaskType.QKV, layer, (tile, min(qkv_tiles, first + count - tile), int(c.uses_rope(layer))),
+                                     ((norm_done, batch),), qkv_done + g))
+                per_group[g] += 1
+    qkv_wave = len(waves)
+    waves.append(qkv)
+    attn_done, combine_done = counters.alloc(batch * kvh), counters.alloc()
+    oproj_done, mlp_done = counters.alloc(), counters.alloc()
+    window = c.window(layer) or 0
+    attn = [make_task(TaskType.ATTN, layer, (b, g, s, num_splits, window), ((qkv_done + g, per_group[g]),),
+                      attn_done + b * kvh + g) for b in range(batch) for s in range(num_splits) for g in range(kvh)]
+    combine = [make_task(TaskType.COMBINE, layer, (b, g, num_splits), ((attn_done + b * kvh + g, num_splits),),
+                         combine_done) for b in range(batch) for g in range(kvh)]
+    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),), oproj_done)
+             for t in range(c.hidden_size // 16)]
+    if c.is_dense(layer):
+        up_done = counters.alloc()
+        up_tiles, down_tiles = c.dense_intermediate_size // 16, c.hidden_size // 32
+        waves.append([make_task(TaskType.DENSE_UP, layer, (t, 1), ((norm_done, batch),), up_done) for t in range(up_tiles)])
+        waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),), mlp_done)
+                         for t in range(down_tiles)], combine, oproj]
+        return (oproj_done, len(oproj)), (mlp_done, down_tiles)
+    router_done, topk_done = counters.alloc(), counters.alloc()
+    slot_done = counters.alloc(c.num_experts)
+    router_tiles = math.ceil(c.num_experts / 16)
+    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
+                                           for t in range(router_tiles)]),
+                                ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
+    up = ("each", make_task(TaskType.MOE_UP, layer, (0, slot_done), ((topk_done, 1),)))
+    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
+    waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
+              "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
+    return (oproj_done, len(oproj)), (mlp_done, num_blocks)
+
+
+def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
+                              order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
+    """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
+    counters, waves, previous = _Counters(), [], ()
+    for layer in range(c.num_hidden_layers):
+        previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves)
+    final_done, lm_done = counters.alloc(), counters.alloc()
+    waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
+    lm_tiles = math.ceil(c.vocab_size / 32)
+    per_task = max(1, math.ceil(lm_tiles / (2 * num_blocks)))
+    starts = list(range(0, lm_tiles, per_task))
+    waves.append([make_task(TaskType.LM_HEAD, 0, (t, min(per_task, lm_tiles - t), j), ((final_done, batch),), lm_done)
+                  for j, t in enumerate(starts)])
+    waves.append([make_task(TaskType.SAMPLE, 0, (b, len(starts)), ((lm_done, len(starts)),)) for b in range(batch)])
+    return flatten(place_waves(waves, num_blocks), counters.count, len(starts))
+
+
+def _preset(name: str) -> ModelConfig:
+    if name == "tiny":
+        return preset_config("tiny", 1003)  # an LM head whose last task is short
+    config = preset_config("north-mini-code")
+    if name == "north-mini-code-5":  # layer_types and mlp_layer_types re-derived for 5 layers
+        return dataclasses.replace(config, num_hidden_layers=5, layer_types=None, mlp_layer_types=None)
+    return config
+
+
+def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
+    assert got.tasks.dtype == want.tasks.dtype == torch.int32 and got.task_start.dtype == torch.int32, where
+    assert got.tasks.shape == want.tasks.shape, f"{where}: {list(got.tasks.shape)} vs {list(want.tasks.shape)}"
+    assert torch.equal(got.tasks, want.tasks), f"{where}: first differing row {(got.tasks != want.tasks).any(1).nonzero()[0].item()}"
+    assert torch.equal(got.task_start, want.task_start), where
+    assert (got.num_counters, got.num_lm_tasks) == (want.num_counters, want.num_lm_tasks), where
+
+
+@pytest.mark.parametrize("preset", ["tiny", "north-mini-code", "north-mini-code-5"])
+@pytest.mark.parametrize("order", WAVE_ORDERS)
+def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
+    """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
+    contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
+    config = _preset(preset)
+    seen = set()
+    for batch in (1, 2, 3, 8):
+        for blocks in (132, 7):
+            for context in (10, 100, 300, 8192):
+                splits = attention_splits(config, batch, blocks, context)
+                for qkv_tiles in (1, 2):
+                    if (batch, blocks, splits, qkv_tiles) in seen:
+                        continue
+                    seen.add((batch, blocks, splits, qkv_tiles))
+                    where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
+                    _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles),
+                                 _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles), where)
+
+
+def test_build_schedule_timing_against_the_reference(capsys) -> None:
+    """Prints the build time of North Mini Code's lists at 132 blocks, 8K context (best of 3), reference vs
+    build_schedule: a report, not a limit (a loaded CI machine must not fail it); the outputs must agree."""
+    config = preset_config("north-mini-code")
+    for batch in (1, 8):
+        splits = attention_splits(config, batch, 132, 8192)
+        best = {}
+        for name, build in (("reference", _build_schedule_reference), ("build_schedule", build_schedule)):
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                schedule = build(config, batch, 132, splits)
+                times.append(time.perf_counter() - start)
+            best[name], best[name + " schedule"] = min(times), schedule
+        _assert_same(best["build_schedule schedule"], best["reference schedule"], f"batch {batch}")
+        with capsys.disabled():
+            print(f"\nbuild_schedule, North Mini Code, batch {batch}, 132 blocks, {len(best['reference schedule'].tasks)} "
+                  f"tasks: reference {best['reference'] * 1e3:.1f} ms, now {best['build_schedule'] * 1e3:.1f} ms "
+                  f"({best['reference'] / best['build_schedule']:.1f}x)")

@@ -2,14 +2,21 @@
 
 A task only waits on counters that tasks of strictly earlier waves signal, and every block runs its list
 in wave order, so no list can deadlock; targets are exact counts of the signalling tasks (tests simulate
-this on the CPU). TaskType mirrors csrc/megakernel.cu; the .cu only decodes the records.
+this on the CPU). TaskType mirrors csrc/megakernel.cu; the .cu only decodes the records. build_schedule
+makes each wave one record plus a shared int32 pattern and places all waves at once with tensor ops (~10 ms
+for North Mini Code); make_task, place_waves and flatten apply the same rules to Python lists, for small
+hand-made lists (tests) and as the reference the tests compare build_schedule with.
 """
 
 from __future__ import annotations
 
+import array
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 
@@ -99,8 +106,8 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
 def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int) -> tuple[int, ...]:
     """KV splits per layer: as many (row, head, split) tasks as fit on the SMs in one round (a second round
     would double the attention phase for a few blocks), and for short contexts about as many as pages,
-    rounded up to a power of two: the task lists are cached per split tuple and take 0.1-0.2 s of Python
-    to build, so a context that grows by a page must not ask for new ones (empty splits cost nothing)."""
+    rounded up to a power of two: the task lists are cached per split tuple (about 10 ms of Python and an
+    upload each), so a context that grows by a page must not ask for new ones (empty splits cost nothing)."""
     wanted = min(MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
     splits = []
     for layer in range(config.num_hidden_layers):
@@ -111,80 +118,190 @@ def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: 
     return tuple(splits)
 
 
+class _WaveSpec(NamedTuple):
+    """One wave for build_schedule: n tasks, task i = row + pattern[i]."""
+
+    mode: str  # "plain" | "apart" | "each": place_waves' wave kinds ("each": n is 1, one copy per block)
+    row: list[int]  # make_task record: the fixed fields, and the offsets of the varying ones
+    n: int
+    pattern: torch.Tensor  # int32 [n, 16], zero but in the varying fields; shared, e.g. by every layer's QKV wave
+
+
+class _WaveMaker:
+    """Makes one build's _WaveSpecs; holds the per-task index tensors (int64 [n]) and the patterns built from
+    them, so that a wave costs a make_task call and a dictionary look-up."""
+
+    def __init__(self, c: ModelConfig, batch: int, qkv_tiles: int) -> None:
+        self.batch, self.kvh = batch, c.num_key_value_heads
+        group, d = c.num_attention_heads // self.kvh, c.head_dim
+        tiles, counts, groups = [], [], []
+        for g in range(self.kvh):  # a task's tiles never straddle a KV group, so attention waits per group
+            for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
+                                 ((c.q_size + c.kv_size + g * d) // 16, d // 16)):
+                for tile in range(first, first + count, qkv_tiles):
+                    tiles.append(tile), counts.append(min(qkv_tiles, first + count - tile)), groups.append(g)
+        self.qkv_tile, self.qkv_count, self.qkv_group = (torch.tensor(x) for x in (tiles, counts, groups))
+        self.group_tasks = torch.bincount(self.qkv_group, minlength=self.kvh)  # [kvh]: QKV tasks per group
+        self.heads = torch.arange(batch * self.kvh)  # (row, KV head) pairs: b * kvh + g
+        self.head_row, self.head_group = self.heads // self.kvh, self.heads % self.kvh
+        self._aranges: dict[int, torch.Tensor] = {}
+        self._attention: dict[int, tuple] = {}
+        self._patterns: dict[tuple, tuple] = {}  # (n, (column, id(values))...) -> (pattern, values kept alive)
+
+    def arange(self, n: int) -> torch.Tensor:
+        return self._aranges.setdefault(n, torch.arange(n))
+
+    def attention(self, num_splits: int) -> tuple[torch.Tensor, ...]:
+        """(b, g, s, b * kvh + g, QKV tasks of group g) per ATTN task, ordered b, s, g."""
+        if num_splits not in self._attention:
+            i = torch.arange(self.batch * num_splits * self.kvh)
+            b, s, g = i // (num_splits * self.kvh), i // self.kvh % num_splits, i % self.kvh
+            self._attention[num_splits] = (b, g, s, b * self.kvh + g, self.group_tasks[g])
+        return self._attention[num_splits]
+
+    def wave(self, mode: str, kind: TaskType, layer: int, n: int, args: tuple = (), waits: tuple = (),
+             signal=-1) -> _WaveSpec:
+        """make_task for a wave of n tasks: any arg, wait counter, target or signal may be a pair (offset,
+        int tensor [n]) instead of an int, task i getting offset + tensor[i]."""
+        values = [*args, *(w[0] for w in waits), *(w[1] for w in waits), signal]
+        columns = [*range(2, 2 + len(args)), *range(8, 8 + len(waits)), *range(10, 10 + len(waits)), 12]
+        fixed = [v if isinstance(v, int) else v[0] for v in values]
+        k, w = len(args), len(waits)
+        row = make_task(kind, layer, tuple(fixed[:k]), tuple(zip(fixed[k:k + w], fixed[k + w:k + 2 * w])), fixed[-1])
+        varying = tuple((column, v[1]) for column, v in zip(columns, values) if not isinstance(v, int))
+        key = (n, tuple((column, id(t)) for column, t in varying))
+        if key not in self._patterns:
+            pattern = torch.zeros(n, TASK_WORDS, dtype=torch.int32)
+            for column, t in varying:
+                pattern[:, column] = t
+            self._patterns[key] = (pattern, varying)
+        return _WaveSpec(mode, row, n, self._patterns[key][0])
+
+
+def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
+                     num_splits: int) -> tuple[list, tuple[int, int]]:
+    """One layer's QKV, ATTN, COMBINE and OPROJ waves; also allocates the layer's MLP counter (returned with
+    the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order."""
+    batch, kvh = m.batch, m.kvh
+    qkv_done = counters.alloc(kvh)
+    qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer))),
+                 ((norm_done, batch),), (qkv_done, m.qkv_group))
+    attn_done = counters.alloc(batch * kvh)
+    combine_done, oproj_done, mlp_done = counters.alloc(), counters.alloc(), counters.alloc()
+    b, g, s, head, group_tasks = m.attention(num_splits)
+    attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, c.window(layer) or 0),
+                  (((qkv_done, g), (0, group_tasks)),), (attn_done, head))
+    combine = m.wave("plain", TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
+                     (((attn_done, m.heads), num_splits),), combine_done)
+    oproj_tiles = c.hidden_size // 16
+    oproj = m.wave("plain", TaskType.OPROJ, layer, oproj_tiles, ((0, m.arange(oproj_tiles)), 1),
+                   ((combine_done, batch * kvh),), oproj_done)
+    return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
+
+
+def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
+                 order: str, num_blocks: int) -> tuple[list, tuple]:
+    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on."""
+    norm_done = counters.alloc()
+    norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
+    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits)
+    oproj_tiles = oproj.n
+    if c.is_dense(layer):
+        up_done = counters.alloc()
+        up_tiles, down_tiles = c.dense_intermediate_size // 16, c.hidden_size // 32
+        up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, ((0, m.arange(up_tiles)), 1), ((norm_done, m.batch),),
+                    up_done)
+        down = m.wave("plain", TaskType.DENSE_DOWN, layer, down_tiles, ((0, m.arange(down_tiles)), 1),
+                      ((up_done, up_tiles),), mlp_done)
+        return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
+    router_done, topk_done = counters.alloc(), counters.alloc()
+    slot_done = counters.alloc(c.num_experts)
+    router_tiles = math.ceil(c.num_experts / 16)
+    # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
+    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)), 1),
+                    ((norm_done, m.batch),), router_done)
+    topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
+    # arg0 unused; arg1: the first "slot done" counter (static shares: claims measured no faster, run 10)
+    up = m.wave("each", TaskType.MOE_UP, layer, 1, (0, slot_done), ((topk_done, 1),))
+    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), ((topk_done, 1),), mlp_done)
+    tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
+            "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
+    return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+
+
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
-    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight).
+    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight). Waves are
+    _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
+    place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
-    c = config
-    counters = _Counters()
-    kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
+    c, m, counters = config, _WaveMaker(config, batch, qkv_tiles), _Counters()
     waves: list = []
-    previous: tuple[tuple[int, int], ...] = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
+    previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
-        norm_done = counters.alloc()
-        waves.append([make_task(TaskType.NORM, layer, (b,), previous, norm_done) for b in range(batch)])
-        qkv_done = counters.alloc(kvh)
-        qkv, per_group = [], [0] * kvh
-        for g in range(kvh):  # a task's tiles never straddle a KV group, so attention waits per group
-            for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
-                                 ((c.q_size + c.kv_size + g * d) // 16, d // 16)):
-                for tile in range(first, first + count, qkv_tiles):
-                    qkv.append(make_task(TaskType.QKV, layer, (tile, min(qkv_tiles, first + count - tile),
-                                                               int(c.uses_rope(layer))), ((norm_done, batch),), qkv_done + g))
-                    per_group[g] += 1
-        qkv_wave = len(waves)
-        waves.append(qkv)
-        attn_done, combine_done, oproj_done, mlp_done = counters.alloc(batch * kvh), counters.alloc(), counters.alloc(), counters.alloc()
-        window = c.window(layer) or 0
-        attn = [make_task(TaskType.ATTN, layer, (b, g, s, splits[layer], window), ((qkv_done + g, per_group[g]),),
-                          attn_done + b * kvh + g) for b in range(batch) for s in range(splits[layer]) for g in range(kvh)]
-        combine = [make_task(TaskType.COMBINE, layer, (b, g, splits[layer]), ((attn_done + b * kvh + g, splits[layer]),),
-                             combine_done) for b in range(batch) for g in range(kvh)]
-        combine_target = batch * kvh
-        if c.is_dense(layer):
-            up_done = counters.alloc()
-            up_tiles = c.dense_intermediate_size // 16
-            waves.append([make_task(TaskType.DENSE_UP, layer, (t, 1), ((norm_done, batch),), up_done) for t in range(up_tiles)])
-            down_tiles = c.hidden_size // 32
-            waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),), mlp_done)
-                             for t in range(down_tiles)], combine]
-            mlp_target = down_tiles
-        else:
-            router_done, topk_done = counters.alloc(), counters.alloc()
-            slot_done = counters.alloc(c.num_experts)
-            router_tiles = math.ceil(c.num_experts / 16)
-            # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
-            waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
-                                                   for t in range(router_tiles)]),
-                                        ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
-            # arg0 unused; arg1: the first "slot done" counter (static shares: claims measured no faster, run 10)
-            up = ("each", make_task(TaskType.MOE_UP, layer, (0, slot_done), ((topk_done, 1),)))
-            down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
-            mlp_target = num_blocks
-        oproj_tiles = c.hidden_size // 16
-        oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, combine_target),), oproj_done)
-                 for t in range(oproj_tiles)]
-        oproj_target = len(oproj)
-        if c.is_dense(layer):
-            waves.append(oproj)
-        else:
-            waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
-                      "tail-early": [attn, combine, up, oproj, down],
-                      "oproj-before-down": [attn, up, combine, oproj, down]}[order]
-        previous = ((oproj_done, oproj_target), (mlp_done, mlp_target))
+        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks)
+        waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
-    waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
+    rows = (0, m.arange(batch))
+    waves.append(m.wave("plain", TaskType.NORM, c.num_hidden_layers, batch, (rows, 1), previous, final_done))
     lm_tiles = math.ceil(c.vocab_size / 32)
     per_task = max(1, math.ceil(lm_tiles / (2 * num_blocks)))
-    starts = list(range(0, lm_tiles, per_task))
-    waves.append([make_task(TaskType.LM_HEAD, 0, (t, min(per_task, lm_tiles - t), j), ((final_done, batch),), lm_done)
-                  for j, t in enumerate(starts)])
-    waves.append([make_task(TaskType.SAMPLE, 0, (b, len(starts)), ((lm_done, len(starts)),)) for b in range(batch)])
-    return flatten(place_waves(waves, num_blocks), counters.count, len(starts))
+    starts = torch.arange(0, lm_tiles, per_task)
+    num_lm = len(starts)
+    waves.append(m.wave("plain", TaskType.LM_HEAD, 0, num_lm, ((0, starts), (0, (lm_tiles - starts).clamp(max=per_task)),
+                                                             (0, m.arange(num_lm))), ((final_done, batch),), lm_done))
+    waves.append(m.wave("plain", TaskType.SAMPLE, 0, batch, (rows, num_lm), ((lm_done, num_lm),)))
+    tasks, task_start = _place_wave_specs(waves, num_blocks)
+    return Schedule(tasks, task_start, max(counters.count, 1), num_lm)
+
+
+def _wave_tables(waves: list, num_blocks: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """place_waves' cursor rule, per wave: task i of wave w goes to block table[start_w + (first_w + i) % m_w],
+    where the table's m_w entries from start_w are the blocks the wave may use, in order (all blocks, or
+    all but those the "apart" waves since the last plain one used). An "each" wave has num_blocks copies,
+    copy i on block i, and moves no cursor. Returns the flat table and first, m, start per wave."""
+    every, all_blocks = list(range(num_blocks)), set(range(num_blocks))
+    table, firsts, moduli, starts = list(every), [], [], []
+    cursor, avoid = 0, set()
+    for mode, _, n, _ in waves:  # _WaveSpec
+        if mode == "each":
+            firsts.append(0), moduli.append(num_blocks), starts.append(0)
+            continue
+        skip = avoid if len(avoid) < num_blocks else set()
+        allowed = sorted(all_blocks - skip) if skip else every
+        first = bisect.bisect_left(allowed, cursor) % len(allowed)  # the first free block from the cursor on
+        starts.append(len(table) if skip else 0)
+        if skip:
+            table += allowed
+        firsts.append(first), moduli.append(len(allowed))
+        if n:
+            cursor = (allowed[(first + n - 1) % len(allowed)] + 1) % num_blocks
+        if mode == "apart":
+            avoid = avoid | {allowed[(first + i) % len(allowed)] for i in range(min(n, len(allowed)))}
+        else:
+            avoid = set()
+    return table, firsts, moduli, starts
+
+
+def _place_wave_specs(waves: list, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """place_waves + flatten for _WaveSpecs: (tasks int32 [N, 16], task_start int32 [num_blocks + 1])."""
+    table, firsts, moduli, starts = _wave_tables(waves, num_blocks)
+    sizes = torch.tensor([num_blocks if mode == "each" else n for mode, _, n, _ in waves])
+    fixed = array.array("i", itertools.chain.from_iterable(row for _, row, _, _ in waves))  # torch.tensor: 10x slower
+    rows = torch.frombuffer(fixed, dtype=torch.int32).view(-1, TASK_WORDS).repeat_interleave(sizes, 0)
+    rows += torch.cat([pattern.expand(num_blocks, -1) if mode == "each" else pattern for mode, _, _, pattern in waves])
+    shift = torch.tensor(firsts) - (torch.cumsum(sizes, 0) - sizes)  # first_w - index of the wave's first task
+    slot = (torch.arange(len(rows)) + shift.repeat_interleave(sizes)) % torch.tensor(moduli).repeat_interleave(sizes)
+    slot += torch.tensor(starts).repeat_interleave(sizes)
+    block = torch.frombuffer(array.array("q", table), dtype=torch.int64)[slot]  # [N]
+    order = torch.sort(block, stable=True).indices  # per block: wave order, then task order within a wave
+    task_start = torch.zeros(num_blocks + 1, dtype=torch.int32)
+    task_start[1:] = torch.cumsum(torch.bincount(block, minlength=num_blocks), 0)
+    return rows[order], task_start
 
 
 def flatten(lists: list[list[list[int]]], num_counters: int, num_lm_tasks: int) -> Schedule:
