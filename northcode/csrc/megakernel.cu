@@ -96,8 +96,10 @@ enum TaskType : int {
 // Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
 // NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
 // DOWN_REVERSED: MoE down shares in reverse block order (see moe_stream). FAST_TOPK: see topk_slots_fast.
+// DOWN_STRIDED: MoE down tiles round-robin over the blocks like the up tiles (each slot's tiles spread over many
+// blocks; the activation rows are loaded again whenever a block's next tile is of another slot).
 enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_DOWN_REVERSED = 8,
-                   NC_FLAG_FAST_TOPK = 16 };
+                   NC_FLAG_FAST_TOPK = 16, NC_FLAG_DOWN_STRIDED = 32 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -1057,10 +1059,10 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up, 0, 1, 0,
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
                reinterpret_cast<uint4*>(smem + kMoeRingOffset)};
-  if (up) {  // round-robin
-    const int total = slots * kUpTilesPerSlot;
+  if (up || (p.flags & NC_FLAG_DOWN_STRIDED)) {  // round-robin
+    const int total = slots * (up ? kUpTilesPerSlot : kDownTilesPerSlot);
     st.first = rank, st.stride = blocks, st.count = rank < total ? (total - rank + blocks - 1) / blocks : 0;
-  } else if (!up) {  // contiguous
+  } else {  // contiguous
     const int total = slots * kDownTilesPerSlot;
     st.first = (int)((long long)total * rank / blocks);
     st.count = (int)((long long)total * (rank + 1) / blocks) - st.first;
@@ -1104,7 +1106,7 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
   float weight = 0.f;
   int loaded = -1;  // the slot whose activation rows xa holds
   for (int i = 0; i < st.count; ++i) {
-    const int tile = st.first + i, slot = tile / kDownTilesPerSlot, row0 = (tile % kDownTilesPerSlot) * 32;
+    const int tile = moe_tile_of(st, i), slot = tile / kDownTilesPerSlot, row0 = (tile % kDownTilesPerSlot) * 32;
     if (slot != loaded) {
       wait_counter(p, t.arg[1] + slot, kUpTilesPerSlot);
       const bf16* act = p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth;

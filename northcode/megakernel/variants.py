@@ -12,6 +12,7 @@ from dataclasses import dataclass
 FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
 FLAG_NO_KV_PRELOAD = 4  # attention issues no KV page copy before its dependency wait
 FLAG_FAST_TOPK = 16  # TOPK numbers the slots by ballot and scatters the weights (no loops over the experts)
+FLAG_DOWN_STRIDED = 32  # MoE down tiles round-robin over the blocks (each slot's tiles spread over many)
 FLAG_DOWN_REVERSED = 8  # MoE down shares in reverse block order (the blocks with one up tile less take the first slots)
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
 
@@ -42,6 +43,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "oproj-before-down": Variant(wave_order="oproj-before-down"),
     "down-reversed": Variant(flags=_PREFETCH | FLAG_DOWN_REVERSED),  # not yet timed (no device time left, day 1)
     "fast-topk": Variant(flags=_PREFETCH | FLAG_FAST_TOPK),  # not yet run on a GPU (day 1)
+    "down-strided": Variant(flags=_PREFETCH | FLAG_DOWN_STRIDED),  # not yet run on a GPU (day 1)
 }
 
 

@@ -166,15 +166,16 @@ def test_oproj_adds_into_the_residual(geometry: str) -> None:
     assert rel_err(kernel.x - x, ref) < REL_TOL
 
 
-@pytest.mark.parametrize("flags", ["variant", "fast-topk", "down-reversed"])
+@pytest.mark.parametrize("flags", ["variant", "fast-topk", "down-reversed", "down-strided"])
 def test_router_topk_and_routed_experts(geometry: str, flags: str) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
     and the routed experts' output match the reference computed with the kernel's choice. flags: as
-    $NC_VARIANT sets them, or with FAST_TOPK (slots by ballot) or DOWN_REVERSED (down shares reversed)."""
+    $NC_VARIANT sets them, or with FAST_TOPK (slots by ballot), DOWN_REVERSED (down shares reversed) or
+    DOWN_STRIDED (down tiles round-robin)."""
     from northcode.bench.decode_oracle import route_weights
     from northcode.megakernel.kernel import TaskType, make_task
-    from northcode.megakernel.variants import FLAG_DOWN_REVERSED, FLAG_FAST_TOPK
+    from northcode.megakernel.variants import FLAG_DOWN_REVERSED, FLAG_DOWN_STRIDED, FLAG_FAST_TOPK
     from northcode.model.model import run_experts
 
     config, weights, model, cache, kernel = env(geometry)
@@ -191,7 +192,8 @@ def test_router_topk_and_routed_experts(geometry: str, flags: str) -> None:
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.router_logits.zero_()
-    extra = {"variant": 0, "fast-topk": FLAG_FAST_TOPK, "down-reversed": FLAG_DOWN_REVERSED}[flags]
+    extra = {"variant": 0, "fast-topk": FLAG_FAST_TOPK, "down-reversed": FLAG_DOWN_REVERSED,
+             "down-strided": FLAG_DOWN_STRIDED}[flags]
     kernel.slot_weight.fill_(float("nan"))  # every (slot, row) the step uses must be written
     with params_set(kernel, flags=kernel.params.flags | extra):
         run(kernel, waves, num_counters=4 + config.num_experts)
