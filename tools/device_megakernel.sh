@@ -2,7 +2,8 @@
 # One megakernel device call (correctness of the default kernel, then timing), under 7 minutes on the H200:
 #     run(command="bash tools/device_megakernel.sh", timeout_s=500)
 # Env: BENCH_VARIANTS (megakernel variants timed against the default, as megakernel/<name>),
-#      FULL49 (1: also the 49-layer teacher-forced test at B = 1 and the 32K-context test), BENCH_TORCH (1: torch too).
+#      FULL49 (1: also the 49-layer teacher-forced test at B = 1, the 32K-context test and the free-running figure;
+#      NC_TEST_STEPS=256 for the 256 steps, ~3 min more), BENCH_TORCH (1: torch too).
 # Logs in $OUT/<phase>.log, figures in $OUT/report.jsonl (they come back as logs.tgz), the default's raw profiles
 # as $OUT/profile-megakernel-b{1,8}-c8192.pt; a short table is printed last.
 set -u
@@ -35,7 +36,8 @@ phase tiny 100 python3 -m pytest -q -rf -k "not full5" $T tests/gpu/test_megaker
   tests/gpu/test_megakernel_sampling.py "$D::test_tiny_teacher_forced" "$D::test_free_running_greedy_agreement[tiny-4]"
 phase tasks5 60 python3 -m pytest -q -rf -k full5 $T
 FULL_TESTS=("$D::test_full_shapes_shallow_teacher_forced")
-[ "${FULL49:-0}" = 1 ] && FULL_TESTS+=("$D::test_full_teacher_forced[1]" "$D::test_full_32k_context")
+[ "${FULL49:-0}" = 1 ] && FULL_TESTS+=("$D::test_full_teacher_forced[1]" "$D::test_full_32k_context" \
+  "$D::test_free_running_greedy_agreement[north-mini-code-1]")
 phase full 150 python3 -m pytest -q -rf "${FULL_TESTS[@]}"
 BACKENDS=megakernel
 [ "${BENCH_TORCH:-0}" = 1 ] && BACKENDS="megakernel torch"
