@@ -23,6 +23,7 @@ from northcode.engine.sampling import SamplingRow
 from northcode.engine.settings import EngineSettings
 from northcode.megakernel.backend import MegakernelBackend
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, RowSpec
+from northcode.megakernel.tasks import attention_splits
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.tokenizer import Tokenizer
 from northcode.torch_backend.backend import TorchBackend
@@ -45,6 +46,7 @@ class FakeMegakernel:
         self.logits = torch.zeros(MAX_BATCH, prefiller.config.vocab_size)
         self.launches: list[tuple[list[int], bool]] = []  # (block-table rows, fed from io) per launch
         self.schedules: set[tuple[int, int]] = set()
+        self.num_blocks = 132  # an H100/H200's SMs: what the task lists are built for
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -226,8 +228,11 @@ def test_launch_refuses_what_it_cannot_run(tiny):
     with pytest.raises(ValueError, match="the previous launch had 0 rows"):
         backend.launch_decode(launch_batch(kv, [0], [-1], [len(prompts[0]) + 1], [row]), [0])
     assert not backend.can_sample(SamplingParams(logprobs=2)) and backend.can_sample(SamplingParams(top_p=0.5))
-    backend.warm_up()
-    assert backend.kernel.schedules == {(b, 0) for b in range(1, MAX_BATCH + 1)}
+    backend.warm_up()  # every launch size, one context per split bucket up to the longest sequence
+    longest = MAX_PAGES * PAGE_SIZE - 1
+    for b in range(1, MAX_BATCH + 1):
+        built = {attention_splits(config, b, 132, c) for batch, c in backend.kernel.schedules if batch == b}
+        assert built == {attention_splits(config, b, 132, c) for c in range(longest + 1)}
 
 
 # --- the Engine over it ---

@@ -245,3 +245,17 @@ def test_build_schedule_timing_against_the_reference(capsys) -> None:
             print(f"\nbuild_schedule, North Mini Code, batch {batch}, 132 blocks, {len(best['reference schedule'].tasks)} "
                   f"tasks: reference {best['reference'] * 1e3:.1f} ms, now {best['build_schedule'] * 1e3:.1f} ms "
                   f"({best['reference'] / best['build_schedule']:.1f}x)")
+
+
+def test_split_contexts_cover_every_task_list_a_sequence_can_need() -> None:
+    """MegakernelBackend.warm_up builds one task list per context split_contexts names: together they must give
+    every split tuple any context up to the longest can ask for (checked by brute force), and few of them."""
+    from northcode.megakernel.tasks import split_contexts
+
+    for preset, longest in (("north-mini-code", 20_000), ("tiny", 3_000)):
+        config = preset_config(preset, 1003 if preset == "tiny" else None)
+        for batch in (1, 3, 8):
+            contexts = split_contexts(config, batch, 132, longest)
+            wanted = {attention_splits(config, batch, 132, c) for c in range(longest + 1)}
+            assert {attention_splits(config, batch, 132, c) for c in contexts} == wanted
+            assert len(contexts) == len(wanted) <= 8

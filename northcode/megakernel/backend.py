@@ -19,6 +19,7 @@ from northcode.config import ModelConfig
 from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch
 from northcode.engine.request import SamplingParams
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status, unsupported_reason
+from northcode.megakernel.tasks import split_contexts
 from northcode.torch_backend.backend import TorchBackend
 from northcode.torch_backend.launch import LaunchedDecode, carried_tokens, check_launchable, to_device
 
@@ -82,7 +83,7 @@ class MegakernelBackend:
         reason = unavailable_reason(config, page_size, needs_hopper=kernel_factory is None)
         if reason:
             raise ValueError(f"engine setting backend = 'megakernel': {reason}")
-        self.max_batch = max_batch
+        self.config, self.max_batch, self.max_pages_per_seq = config, max_batch, max_pages_per_seq
         self.prefiller = TorchBackend(config, weights, num_pages, page_size, max_batch, max_pages_per_seq,
                                       cuda_graphs=False)  # prefill only: decode graphs would be unused
         self.k_pool, self.v_pool, self.device = self.prefiller.k_pool, self.prefiller.v_pool, self.prefiller.device
@@ -100,10 +101,12 @@ class MegakernelBackend:
         return self.prefiller.prefill(batch)
 
     def warm_up(self) -> None:
-        """Build the task lists of every launch size at the shortest context before serving (building one
-        takes host time); longer contexts build theirs on first use."""
+        """Build every task list a step can need before serving (launch sizes 1..8, one per split bucket up to
+        the longest sequence: a few dozen, ~10 ms each), so no step waits for one."""
+        longest = self.max_pages_per_seq * PAGE_SIZE - 1
         for rows in range(1, min(self.max_batch, MAX_BATCH) + 1):
-            self.kernel.schedule(rows, 0)
+            for context in split_contexts(self.config, rows, self.kernel.num_blocks, longest):
+                self.kernel.schedule(rows, context)
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> DecodeResult:

@@ -229,6 +229,27 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
 
 
+def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context: int) -> list[int]:
+    """One context per distinct attention_splits tuple for contexts 0..max_context (the task lists a
+    sequence can need; MegakernelBackend.warm_up builds them all). Split counts change only where a layer's
+    page count crosses a power of two or the window: those places are the candidates."""
+    candidates = {0, max_context}
+    for k in range(0, max(1, max_context // PAGE_SIZE).bit_length() + 2):
+        for pages in (2 ** k - 1, 2 ** k, 2 ** k + 1):
+            candidates.update(PAGE_SIZE * pages + d for d in (-2, -1, 0, 1))
+    for layer in range(config.num_hidden_layers):
+        window = config.window(layer)
+        if window:
+            candidates.update(window + d for d in (-2, -1, 0, 1))
+    contexts, seen = [], set()
+    for context in sorted(c for c in candidates if 0 <= c <= max_context):
+        splits = attention_splits(config, batch, num_blocks, context)
+        if splits not in seen:
+            seen.add(splits)
+            contexts.append(context)
+    return contexts
+
+
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
