@@ -131,8 +131,9 @@ class _WaveMaker:
     """Makes one build's _WaveSpecs; holds the per-task index tensors (int64 [n]) and the patterns built from
     them, so that a wave costs a make_task call and a dictionary look-up."""
 
-    def __init__(self, c: ModelConfig, batch: int, qkv_tiles: int) -> None:
+    def __init__(self, c: ModelConfig, batch: int, qkv_tiles: int, oproj_tiles: int = 1) -> None:
         self.batch, self.kvh = batch, c.num_key_value_heads
+        self.oproj_first, self.oproj_count = torch.arange(0, c.hidden_size // 16, oproj_tiles), oproj_tiles
         group, d = c.num_attention_heads // self.kvh, c.head_dim
         tiles, counts, groups = [], [], []
         for g in range(self.kvh):  # a task's tiles never straddle a KV group, so attention waits per group
@@ -193,8 +194,7 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
                   (((qkv_done, g), (0, group_tasks)),), (attn_done, head))
     combine = m.wave("plain", TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
                      (((attn_done, m.heads), num_splits),), combine_done)
-    oproj_tiles = c.hidden_size // 16
-    oproj = m.wave("plain", TaskType.OPROJ, layer, oproj_tiles, ((0, m.arange(oproj_tiles)), 1),
+    oproj = m.wave("plain", TaskType.OPROJ, layer, len(m.oproj_first), ((0, m.oproj_first), m.oproj_count),
                    ((combine_done, batch * kvh),), oproj_done)
     return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
 
@@ -251,16 +251,18 @@ def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context
 
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                   order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
+                   order: str = "attention-first", qkv_tiles: int = 1, oproj_tiles: int = 1) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
-    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight). Waves are
+    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight); oproj_tiles: 16-row
+    tiles per o_proj task (2: one ring tile with the variant flag OPROJ_RING). Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
     place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
-    c, m, counters = config, _WaveMaker(config, batch, qkv_tiles), _Counters()
+    assert config.hidden_size // 16 % oproj_tiles == 0, oproj_tiles
+    c, m, counters = config, _WaveMaker(config, batch, qkv_tiles, oproj_tiles), _Counters()
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
 FLAG_NO_KV_PRELOAD = 4  # attention issues no KV page copy before its dependency wait
 FLAG_FAST_TOPK = 16  # TOPK numbers the slots by ballot and scatters the weights (no loops over the experts)
+FLAG_OPROJ_RING = 64  # o_proj tasks of two tiles stream through the per-lane ring, first steps before the wait
 FLAG_DOWN_STRIDED = 32  # MoE down tiles round-robin over the blocks (each slot's tiles spread over many)
 FLAG_DOWN_REVERSED = 8  # MoE down shares in reverse block order (the blocks with one up tile less take the first slots)
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
@@ -27,6 +28,7 @@ class Variant:
     kv_stages: int = 3
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
+    oproj_tiles: int = 1  # o_proj tiles per task (2 with OPROJ_RING: one ring tile)
 
 
 _PREFETCH = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
@@ -44,6 +46,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "down-reversed": Variant(flags=_PREFETCH | FLAG_DOWN_REVERSED),  # not yet timed (no device time left, day 1)
     "fast-topk": Variant(flags=_PREFETCH | FLAG_FAST_TOPK),  # not yet run on a GPU (day 1)
     "down-strided": Variant(flags=_PREFETCH | FLAG_DOWN_STRIDED),  # not yet run on a GPU (day 1)
+    "oproj-ring": Variant(flags=_PREFETCH | FLAG_OPROJ_RING, oproj_tiles=2),  # not yet run on a GPU (day 1)
 }
 
 
