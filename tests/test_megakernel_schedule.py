@@ -20,27 +20,33 @@ from northcode.megakernel.tasks import _Counters
 from northcode.model.synthetic import preset_config
 
 
-def simulate(schedule) -> dict[int, int]:
-    """Run the lists like the device would, drains as one step; return the final counter values."""
+def simulate(schedule, duration_ns=lambda task: 1000) -> tuple[dict[int, int], list[list[int]]]:
+    """Run the lists like the device would, drains as one step: a task starts when its block is free, its
+    dependencies are met when the target-th signal of each waited counter is done, and it takes
+    duration_ns(task). Returns the final counter values and [started, met, done] ns per task."""
     tasks, starts = schedule.tasks.tolist(), schedule.task_start.tolist()
-    cursor = starts[:-1]
-    counters: dict[int, int] = {}
+    cursor, clock = list(starts[:-1]), [0] * (len(starts) - 1)
+    done_at: dict[int, list[int]] = {}  # counter -> done times of its signals
+    times = [[0, 0, 0] for _ in tasks]
     progressed = True
     while progressed:
         progressed = False
         for block in range(len(cursor)):
             while cursor[block] < starts[block + 1]:
-                t = tasks[cursor[block]]
-                waits = [(t[8], t[10]), (t[9], t[11])]
-                if any(idx >= 0 and counters.get(idx, 0) < target for idx, target in waits):
+                i = cursor[block]
+                t = tasks[i]
+                waits = [(c, target) for c, target in ((t[8], t[10]), (t[9], t[11])) if c >= 0 and target > 0]
+                if any(len(done_at.get(c, [])) < target for c, target in waits):
                     break
+                met = max([clock[block]] + [sorted(done_at[c])[target - 1] for c, target in waits])
+                times[i] = [clock[block], met, met + duration_ns(t)]
                 if t[12] >= 0:
-                    counters[t[12]] = counters.get(t[12], 0) + 1
-                cursor[block] += 1
+                    done_at.setdefault(t[12], []).append(times[i][2])
+                clock[block], cursor[block] = times[i][2], i + 1
                 progressed = True
     stuck = [b for b in range(len(cursor)) if cursor[b] < starts[b + 1]]
     assert not stuck, f"deadlock: blocks {stuck[:5]} cannot proceed"
-    return counters
+    return {c: len(signals) for c, signals in done_at.items()}, times
 
 
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
@@ -55,7 +61,7 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
         splits = attention_splits(config, batch, blocks, context)
         schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles, v.oproj_tiles)
         assert schedule.tasks.shape[1] == TASK_WORDS
-        counters = simulate(schedule)
+        counters, _ = simulate(schedule)
         tasks = schedule.tasks.tolist()
         for t in tasks:
             for idx, target in ((t[8], t[10]), (t[9], t[11])):
