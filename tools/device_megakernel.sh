@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"
 export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NC_REPORT="$OUT/report.jsonl" NORTHCODE_REQUIRE_GPU=1
 export NC_TEST_STEPS=${NC_TEST_STEPS:-16} NC_TINY_STEPS=${NC_TINY_STEPS:-32} PYTHONUNBUFFERED=1 NC_VARIANTS=${NC_VARIANTS:-default}
-BENCH_VARIANTS=${BENCH_VARIANTS:-"megakernel/fast-topk megakernel/down-reversed megakernel/down-strided megakernel/oproj-ring"}
+BENCH_VARIANTS=${BENCH_VARIANTS:-"megakernel/fused-combine megakernel/fused-oproj-before-down megakernel/fused-moe-first"}
 : > "$OUT/phases.txt"
 phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, record rc and seconds
   local name=$1 limit=$2 t0=$SECONDS rc
@@ -58,10 +58,10 @@ try:
     rows = [json.loads(line) for line in open(sys.argv[1])]
 except OSError:
     rows = []
-print(f"{'preset':<16}{'L':>3}{'B':>2}{'st':>4}{'relK':>8}{'relT':>8}{'ratio':>6}{'cosK':>9}{'cosT':>9}{'swK':>5}{'swT':>5}{'fail':>5}")
+print(f"{'variant':<14}{'preset':<16}{'L':>3}{'B':>2}{'st':>4}{'relK':>8}{'relT':>8}{'ratio':>6}{'cosK':>9}{'cosT':>9}{'swK':>5}{'swT':>5}{'fail':>5}")
 for r in rows:
     if r.get("test") == "teacher_forced":
-        print(f"{r['preset']:<16}{r['layers'] or '':>3}{len(r['lengths']):>2}{r['steps']:>4}{r['kernel_rel_err_max']:8.4f}"
+        print(f"{r.get('variant', ''):<14.14}{r['preset']:<16}{r['layers'] or '':>3}{len(r['lengths']):>2}{r['steps']:>4}{r['kernel_rel_err_max']:8.4f}"
               f"{r['torch_rel_err_max']:8.4f}{r['rel_err_ratio_max']:6.2f}{r['kernel_min_cosine']:9.5f}{r['torch_min_cosine']:9.5f}"
               f"{r['kernel_expert_swaps']:5d}{r['torch_expert_swaps']:5d}{len(r['failures']):5d}")
         if r["failures"]:

@@ -79,7 +79,7 @@ enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
   TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
-  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
+  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none), arg5 fused combine
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
   TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
@@ -95,12 +95,7 @@ enum TaskType : int {
 
 // Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
 // NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
-// DOWN_REVERSED: MoE down shares in reverse block order (see moe_stream). FAST_TOPK: see topk_slots_fast.
-// OPROJ_RING: o_proj tasks of two tiles stream through the per-lane ring (task_oproj_streamed).
-// DOWN_STRIDED: MoE down tiles round-robin over the blocks like the up tiles (each slot's tiles spread over many
-// blocks; the activation rows are loaded again whenever a block's next tile is of another slot).
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_DOWN_REVERSED = 8,
-                   NC_FLAG_FAST_TOPK = 16, NC_FLAG_DOWN_STRIDED = 32, NC_FLAG_OPROJ_RING = 64 };
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -705,6 +700,8 @@ __device__ __forceinline__ void attn_pv(const AttnSmem& s, int stage, float (&ac
   }
 }
 
+__device__ void combine_if_last(const Params& p, const Task& t, unsigned char* smem);  // section 7
+
 __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
   AttnSmem& s = *reinterpret_cast<AttnSmem*>(smem);
   const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2];
@@ -757,6 +754,7 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
     p.attn_ml[(base * kGroup + threadIdx.x) * 2] = s.m[threadIdx.x];
     p.attn_ml[(base * kGroup + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
   }
+  if (t.arg[5] > 0) combine_if_last(p, t, smem);
 }
 
 // ====  7. Task: COMBINE  =======================================================================
@@ -803,6 +801,22 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
   combine_row(p, t.arg[0], t.arg[1], t.arg[2], reinterpret_cast<GemmSmem*>(smem)->red);
 }
 
+// Fused combine (ATTN arg5 = 1 + the (row, KV head)'s arrival counter; 0: a COMBINE task merges instead): each
+// split counts itself in once its partial is written; the split that arrives last merges them all, so the
+// merge starts when the last split ends, on an SM that is already free, with no task hop in between.
+__device__ void combine_if_last(const Params& p, const Task& t, unsigned char* smem) {
+  __shared__ int last;
+  __syncthreads();  // the block's partial and (m, l) stores are issued
+  if (threadIdx.x == 0) {
+    __threadfence();  // ... and visible before the count (the merging block reads them from L2)
+    last = atomicAdd(p.counters + t.arg[5] - 1, 1u) + 1 == (unsigned)t.arg[3];
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other splits' stores are seen after their counts
+  combine_row(p, t.arg[0], t.arg[1], t.arg[3], reinterpret_cast<GemmSmem*>(smem)->red);
+}
+
 // ====  8. Task: OPROJ  =========================================================================
 //   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
 //   branch adds into the same rows).
@@ -842,8 +856,6 @@ struct TopkSmem {
   int expert[kMaxBatch][kTopK];
   float weight[kMaxBatch][kTopK];
   int used[kExperts];
-  int slot_of[kExperts];   // FAST_TOPK: the slot of each used expert
-  int warp_used[kWarps];   // FAST_TOPK: used experts per 32-expert group
 };
 
 __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
@@ -891,47 +903,11 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
   }
 }
 
-// FAST_TOPK (a variant, not yet timed): the same slots and weights with no per-thread loops over the
-// experts: the chosen (row, k) pairs mark their experts, a ballot and popcount number the slots in
-// ascending id, and the (row, k) pairs scatter their weights into zeroed slot rows.
-__device__ void topk_slots_fast(const Params& p, const Task& t, TopkSmem& s) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pairs = p.batch_size * kTopK;
-  for (int i = threadIdx.x; i < pairs; i += kThreads) s.used[s.expert[i / kTopK][i % kTopK]] = 1;
-  __syncthreads();
-  const int e = threadIdx.x;  // kExperts <= kThreads: one expert per thread
-  const bool used = e < kExperts && s.used[e] != 0;
-  const unsigned mask = __ballot_sync(0xffffffffu, used);
-  if (lane == 0) s.warp_used[warp] = __popc(mask);
-  __syncthreads();
-  int slot = __popc(mask & ((1u << lane) - 1u)), total = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    slot += w < warp ? s.warp_used[w] : 0;
-    total += s.warp_used[w];
-  }
-  if (used) {
-    s.slot_of[e] = slot;
-    p.moe_slots[1 + slot] = e;
-  }
-  for (int i = threadIdx.x; i < total * kMaxBatch; i += kThreads) p.slot_weight[i] = 0.f;
-  if (threadIdx.x == 0) {
-    p.moe_slots[0] = total;
-    p.expert_counts[t.layer] = total;
-  }
-  __syncthreads();  // slot_of is complete; the zeros are written before the weights below
-  for (int i = threadIdx.x; i < pairs; i += kThreads) {
-    const int b = i / kTopK, k = i % kTopK;
-    p.slot_weight[s.slot_of[s.expert[b][k]] * kMaxBatch + b] = s.weight[b][k];
-  }
-}
-
 __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
   TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
   const int warp = threadIdx.x >> 5;
-  const bool fast = p.flags & NC_FLAG_FAST_TOPK;
-  if (fast && threadIdx.x < kExperts) s.used[threadIdx.x] = 0;
   if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
   __syncthreads();
-  if (fast) return topk_slots_fast(p, t, s);
   for (int e = threadIdx.x; e < kExperts; e += kThreads) {
     int used = 0;
     for (int b = 0; b < p.batch_size; ++b)
@@ -981,11 +957,11 @@ constexpr int kDownSteps = (kExpertWidth / 32 + kWarps - 1) / kWarps;  // ... of
 constexpr size_t kMoeRingOffset = (sizeof(GemmSmem) + 15) / 16 * 16;
 constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
 
-enum StreamKind : int { STREAM_DOWN = 0, STREAM_UP = 1, STREAM_OPROJ = 2 };
+enum StreamKind : int { STREAM_DOWN = 0, STREAM_UP = 1 };
 struct MoeStream {  // one lane's view of a task's weight stream: tile i of the block's list, step j of it
   const int* experts;  // shared memory: the expert of each slot (copied once: no global load per issued step)
-  const bf16* base;  // up: the layer's gate_up [E, 2I, H]; down: down [E, H, I]; o_proj: the task's first row
-  int kind;          // StreamKind: which weights, and K (H for up, I for down, Hq*D for o_proj)
+  const bf16* base;  // up: the layer's gate_up [E, 2I, H]; down: down [E, H, I]
+  int kind;          // StreamKind: which weights, and K (H for up, I for down)
   int first, stride, count, steps;  // the block's tiles: first + i * stride, i < count; steps per tile (this warp)
   uint4* ring;
 };
@@ -997,10 +973,7 @@ __device__ __forceinline__ int moe_tile_of(const MoeStream& st, int i) {
 
 // Rows of the tile's two 16-row matrices (A, B) and K, for tile index `tile` of the stream's kind.
 __device__ __forceinline__ void moe_tile_rows(const MoeStream& st, int tile, const bf16*& wa, const bf16*& wb) {
-  if (st.kind == STREAM_OPROJ) {  // two adjacent 16-row tiles of o_proj
-    wa = st.base + (size_t)tile * 32 * kQSize;
-    wb = wa + (size_t)16 * kQSize;
-  } else if (st.kind == STREAM_UP) {
+  if (st.kind == STREAM_UP) {
     const int slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;
     const bf16* w = st.base + (size_t)st.experts[slot] * 2 * kExpertWidth * kHidden;
     wa = w + (size_t)ch * 16 * kHidden;                   // gate rows
@@ -1017,7 +990,7 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
   const int tile = st.steps > 0 ? moe_tile_of(st, q / st.steps) : -1;
   if (tile >= 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int K = st.kind == STREAM_OPROJ ? kQSize : st.kind == STREAM_UP ? kHidden : kExpertWidth;
+    const int K = st.kind == STREAM_UP ? kHidden : kExpertWidth;
     const int c = warp + kWarps * (q % st.steps);
     const bf16 *wa, *wb;
     moe_tile_rows(st, tile, wa, wb);
@@ -1059,9 +1032,7 @@ __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
 __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
   const int warp = threadIdx.x >> 5, nchunk = (up ? kHidden : kExpertWidth) / 32;
   const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks;
-  // DOWN_REVERSED: the first slots' down tiles go to the last blocks, which hold the fewest up tiles (the
-  // round-robin leaves them one less) and so are free first
-  const int rank = !up && (p.flags & NC_FLAG_DOWN_REVERSED) ? blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+  const int rank = blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
   __syncthreads();  // the previous user of this memory is done
   for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
@@ -1069,7 +1040,7 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up ? STREAM_UP : STREAM_DOWN, 0, 1, 0,
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
                reinterpret_cast<uint4*>(smem + kMoeRingOffset)};
-  if (up || (p.flags & NC_FLAG_DOWN_STRIDED)) {  // round-robin
+  if (up) {  // round-robin
     const int total = slots * (up ? kUpTilesPerSlot : kDownTilesPerSlot);
     st.first = rank, st.stride = blocks, st.count = rank < total ? (total - rank + blocks - 1) / blocks : 0;
   } else {  // contiguous
@@ -1134,52 +1105,6 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
     if (weight != 0.f)
       atomicAdd(p.x + (size_t)b * kHidden + row0 + n * 16 + r, bf16_round(bf16_round(s.out[threadIdx.x]) * weight));
   }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-  __syncthreads();
-}
-
-// ---- OPROJ_RING (a variant, not yet run on a GPU): an o_proj task of two 16-row tiles streams its 256 KB
-// through the same per-lane ring, its first steps issued by the dispatcher before the task waits for the
-// attention; the activation pieces (attn_out, K = Hq*D) are read from L2 two steps ahead.
-constexpr int kOprojSteps = (kQSize / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (16 at North Mini Code)
-
-__device__ __forceinline__ bool oproj_streamed(const Params& p, const Task& t) {
-  return (p.flags & NC_FLAG_OPROJ_RING) && t.arg[1] == 2;
-}
-
-__device__ MoeStream oproj_stream(const Params& p, const Task& t, unsigned char* smem) {
-  const int warp = threadIdx.x >> 5, nchunk = kQSize / 32;
-  return MoeStream{nullptr, layer_ptr(p, t.layer, LP_O) + (size_t)t.arg[0] * 16 * kQSize, STREAM_OPROJ, 0, 1, 1,
-                   warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
-                   reinterpret_cast<uint4*>(smem + kMoeRingOffset)};
-}
-
-__device__ void task_oproj_streamed(const Params& p, const Task& t, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  const MoeStream st = oproj_stream(p, t, smem);  // steps 0..kMoeStages-1 are in flight (dispatcher)
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-  const bf16* act = p.attn_out + (size_t)g * kQSize + warp * 32 + 8 * tq;
-  auto piece = [&](int j) {
-    return g < p.batch_size && j < st.steps ? load_act16(act + (size_t)kWarps * 32 * j) : make_uint4(0, 0, 0, 0);
-  };
-  uint4 xa[3] = {piece(0), piece(1), make_uint4(0, 0, 0, 0)};
-  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-  for (int j = 0; j < kOprojSteps; ++j) {
-    if (j + 2 < kOprojSteps) xa[(j + 2) % 3] = piece(j + 2);
-    if (j < st.steps) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
-      const uint4* slot = st.ring + (size_t)(j % kMoeStages) * 4 * kThreads + threadIdx.x;
-      const uint4 a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];
-      mma_piece(acc[0], a_lo, a_hi, xa[j % 3]);
-      mma_piece(acc[1], b_lo, b_hi, xa[j % 3]);
-      moe_issue(st, j + kMoeStages);
-    }
-  }
-  reduce_warps<2>(acc, s.red, s.out);
-  const int n = threadIdx.x >> 7, r = (threadIdx.x >> 3) & 15, b = threadIdx.x & 7;
-  if (b < p.batch_size)
-    atomicAdd(p.x + (size_t)b * kHidden + t.arg[0] * 16 + n * 16 + r, bf16_round(s.out[threadIdx.x]));
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   __syncthreads();
 }
@@ -1409,7 +1334,6 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     const Task t = task;
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
     if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
-    if (t.type == TASK_OPROJ && oproj_streamed(p, t)) stream_prologue(oproj_stream(p, t, smem));  // before the wait
     if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
     if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
       prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
@@ -1425,7 +1349,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
         case TASK_QKV: task_qkv(p, t, smem); break;
         case TASK_ATTN: task_attn(p, t, smem); break;
         case TASK_COMBINE: task_combine(p, t, smem); break;
-        case TASK_OPROJ: if (oproj_streamed(p, t)) task_oproj_streamed(p, t, smem); else task_oproj(p, t, smem); break;
+        case TASK_OPROJ: task_oproj(p, t, smem); break;
         case TASK_ROUTER: task_router(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
         case TASK_MOE_UP: task_moe_up(p, t, smem); break;

@@ -28,7 +28,7 @@ TASK_WORDS = 16
 # Where a sparse layer's MoE drains sit relative to attention and its tail (COMBINE, OPROJ) in every list:
 # attention-first: ATTN, UP, COMBINE, DOWN, OPROJ; moe-first: UP, ATTN, DOWN, COMBINE, OPROJ;
 # tail-early: ATTN, COMBINE, UP, OPROJ, DOWN (o_proj streams between the up and down phases, not after);
-# oproj-before-down: ATTN, UP, COMBINE, OPROJ, DOWN.
+# oproj-before-down: ATTN, UP, COMBINE, OPROJ, DOWN. A fused combine drops COMBINE from each.
 WAVE_ORDERS = ("attention-first", "moe-first", "tail-early", "oproj-before-down")
 
 
@@ -131,9 +131,9 @@ class _WaveMaker:
     """Makes one build's _WaveSpecs; holds the per-task index tensors (int64 [n]) and the patterns built from
     them, so that a wave costs a make_task call and a dictionary look-up."""
 
-    def __init__(self, c: ModelConfig, batch: int, qkv_tiles: int, oproj_tiles: int = 1) -> None:
+    def __init__(self, c: ModelConfig, batch: int, qkv_tiles: int) -> None:
         self.batch, self.kvh = batch, c.num_key_value_heads
-        self.oproj_first, self.oproj_count = torch.arange(0, c.hidden_size // 16, oproj_tiles), oproj_tiles
+        self.oproj_tiles = c.hidden_size // 16
         group, d = c.num_attention_heads // self.kvh, c.head_dim
         tiles, counts, groups = [], [], []
         for g in range(self.kvh):  # a task's tiles never straddle a KV group, so attention waits per group
@@ -180,9 +180,10 @@ class _WaveMaker:
 
 
 def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
-                     num_splits: int) -> tuple[list, tuple[int, int]]:
-    """One layer's QKV, ATTN, COMBINE and OPROJ waves; also allocates the layer's MLP counter (returned with
-    the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order."""
+                     num_splits: int, fused_combine: bool) -> tuple[list, tuple[int, int]]:
+    """One layer's QKV, ATTN, COMBINE and OPROJ waves (COMBINE None when fused: the split of a (row, KV head)
+    that ends last merges them, ATTN arg5 = 1 + its arrival counter); also allocates the layer's MLP counter
+    (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order."""
     batch, kvh = m.batch, m.kvh
     qkv_done = counters.alloc(kvh)
     qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer))),
@@ -190,21 +191,30 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
     attn_done = counters.alloc(batch * kvh)
     combine_done, oproj_done, mlp_done = counters.alloc(), counters.alloc(), counters.alloc()
     b, g, s, head, group_tasks = m.attention(num_splits)
-    attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, c.window(layer) or 0),
-                  (((qkv_done, g), (0, group_tasks)),), (attn_done, head))
-    combine = m.wave("plain", TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
-                     (((attn_done, m.heads), num_splits),), combine_done)
-    oproj = m.wave("plain", TaskType.OPROJ, layer, len(m.oproj_first), ((0, m.oproj_first), m.oproj_count),
-                   ((combine_done, batch * kvh),), oproj_done)
+    window = c.window(layer) or 0
+    attn_waits = (((qkv_done, g), (0, group_tasks)),)
+    if fused_combine:  # every split signals combine_done after its arrival (the last after merging)
+        attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, window,
+                                                              (attn_done + 1, head)), attn_waits, combine_done)
+        combine, merged = None, len(b)
+    else:
+        attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, window),
+                      attn_waits, (attn_done, head))
+        combine = m.wave("plain", TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
+                         (((attn_done, m.heads), num_splits),), combine_done)
+        merged = batch * kvh
+    oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, ((0, m.arange(m.oproj_tiles)), 1),
+                   ((combine_done, merged),), oproj_done)
     return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
 
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
-                 order: str, num_blocks: int) -> tuple[list, tuple]:
+                 order: str, num_blocks: int, fused_combine: bool) -> tuple[list, tuple]:
     """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on."""
     norm_done = counters.alloc()
     norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
-    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits)
+    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits,
+                                                                           fused_combine)
     oproj_tiles = oproj.n
     if c.is_dense(layer):
         up_done = counters.alloc()
@@ -213,7 +223,8 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
                     up_done)
         down = m.wave("plain", TaskType.DENSE_DOWN, layer, down_tiles, ((0, m.arange(down_tiles)), 1),
                       ((up_done, up_tiles),), mlp_done)
-        return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
+        waves = [norm, qkv, up, attn, down, combine, oproj]
+        return [w for w in waves if w is not None], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     router_tiles = math.ceil(c.num_experts / 16)
@@ -226,7 +237,7 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), ((topk_done, 1),), mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
-    return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    return [w for w in (norm, router, topk, qkv, *tail) if w is not None], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
 
 
 def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context: int) -> list[int]:
@@ -251,22 +262,22 @@ def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context
 
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                   order: str = "attention-first", qkv_tiles: int = 1, oproj_tiles: int = 1) -> Schedule:
+                   order: str = "attention-first", qkv_tiles: int = 1, fused_combine: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
-    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight); oproj_tiles: 16-row
-    tiles per o_proj task (2: one ring tile with the variant flag OPROJ_RING). Waves are
+    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight); fused_combine: the
+    last attention split of each (row, KV head) merges the splits (no COMBINE wave). Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
     place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
-    assert config.hidden_size // 16 % oproj_tiles == 0, oproj_tiles
-    c, m, counters = config, _WaveMaker(config, batch, qkv_tiles, oproj_tiles), _Counters()
+    c, m, counters = config, _WaveMaker(config, batch, qkv_tiles), _Counters()
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
-        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks)
+        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
+                                             fused_combine)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))

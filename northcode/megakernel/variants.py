@@ -11,10 +11,6 @@ from dataclasses import dataclass
 
 FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
 FLAG_NO_KV_PRELOAD = 4  # attention issues no KV page copy before its dependency wait
-FLAG_FAST_TOPK = 16  # TOPK numbers the slots by ballot and scatters the weights (no loops over the experts)
-FLAG_OPROJ_RING = 64  # o_proj tasks of two tiles stream through the per-lane ring, first steps before the wait
-FLAG_DOWN_STRIDED = 32  # MoE down tiles round-robin over the blocks (each slot's tiles spread over many)
-FLAG_DOWN_REVERSED = 8  # MoE down shares in reverse block order (the blocks with one up tile less take the first slots)
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
 
 
@@ -28,7 +24,7 @@ class Variant:
     kv_stages: int = 3
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
-    oproj_tiles: int = 1  # o_proj tiles per task (2 with OPROJ_RING: one ring tile)
+    fused_combine: bool = False  # the last attention split of a (row, KV head) merges them (no COMBINE tasks)
 
 
 _PREFETCH = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
@@ -43,10 +39,10 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "kv-stages-2": Variant(kv_stages=2),
     "kv-stages-5": Variant(kv_stages=5),
     "oproj-before-down": Variant(wave_order="oproj-before-down"),
-    "down-reversed": Variant(flags=_PREFETCH | FLAG_DOWN_REVERSED),  # not yet timed (no device time left, day 1)
-    "fast-topk": Variant(flags=_PREFETCH | FLAG_FAST_TOPK),  # not yet run on a GPU (day 1)
-    "down-strided": Variant(flags=_PREFETCH | FLAG_DOWN_STRIDED),  # not yet run on a GPU (day 1)
-    "oproj-ring": Variant(flags=_PREFETCH | FLAG_OPROJ_RING, oproj_tiles=2),  # not yet run on a GPU (day 1)
+    # with a fused combine, tail-early is oproj-before-down (ATTN, UP, OPROJ, DOWN); not yet run on a GPU (day 2)
+    "fused-combine": Variant(fused_combine=True),
+    "fused-oproj-before-down": Variant(fused_combine=True, wave_order="oproj-before-down"),
+    "fused-moe-first": Variant(fused_combine=True, wave_order="moe-first"),
 }
 
 

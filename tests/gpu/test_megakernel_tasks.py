@@ -122,11 +122,12 @@ def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int) -
         assert rel_err(cache.v_pool[page, pos % 64], v[b]) < REL_TOL
 
 
-@pytest.mark.parametrize("ring", ["variant", "one-stage", "largest"])
+@pytest.mark.parametrize("ring", ["variant", "one-stage", "largest", "fused"])
 @pytest.mark.parametrize("layer,splits", [(1, 3), (4, 1), (4, 4), (1, 32), (4, 32)])  # 32: NC_MAX_SPLITS
 def test_split_attention_and_combine(geometry: str, layer: int, splits: int, ring: str) -> None:
     """ring: the KV ring as $NC_VARIANT sets it; one stage with no page copied before the wait; the most
-    stages the build allows (every page of a split in flight at once up to 5 or 8 pages)."""
+    stages the build allows (every page of a split in flight at once up to 5 or 8 pages); fused: as
+    $NC_VARIANT, the last split of each (row, head) merging them (ATTN arg5, no COMBINE task)."""
     from northcode.megakernel.kernel import FLAG_NO_KV_PRELOAD, TaskType, make_task
     from northcode.model.model import attention
 
@@ -134,15 +135,19 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, rin
     kvh, window = config.num_key_value_heads, config.window(layer) or 0
     q = randn_bf16(8, config.num_attention_heads, config.head_dim)
     kernel.q.copy_(q.view(8, -1))
-    attn = [make_task(TaskType.ATTN, layer, (b, g, s, splits, window), (), b * kvh + g)
-            for b in range(8) for g in range(kvh) for s in range(splits)]
-    combine = [make_task(TaskType.COMBINE, layer, (b, g, splits), ((b * kvh + g, splits),))
-               for b in range(8) for g in range(kvh)]
+    if ring == "fused":
+        waves = [[make_task(TaskType.ATTN, layer, (b, g, s, splits, window, 1 + b * kvh + g))
+                  for b in range(8) for g in range(kvh) for s in range(splits)]]
+    else:
+        waves = [[make_task(TaskType.ATTN, layer, (b, g, s, splits, window), (), b * kvh + g)
+                  for b in range(8) for g in range(kvh) for s in range(splits)],
+                 [make_task(TaskType.COMBINE, layer, (b, g, splits), ((b * kvh + g, splits),))
+                  for b in range(8) for g in range(kvh)]]
     kernel.attn_out.zero_()
-    settings = {"variant": {}, "one-stage": dict(kv_stages=1, flags=kernel.params.flags | FLAG_NO_KV_PRELOAD),
+    settings = {"variant": {}, "fused": {}, "one-stage": dict(kv_stages=1, flags=kernel.params.flags | FLAG_NO_KV_PRELOAD),
                 "largest": dict(kv_stages=kernel.lib.nc_max_kv_stages())}[ring]
     with params_set(kernel, **settings):
-        run(kernel, [attn, combine], num_counters=8 * kvh)
+        run(kernel, waves, num_counters=8 * kvh)
     for b, pos in enumerate(GEOMETRIES[geometry][2]):
         first = max(0, pos - window + 1) if window else 0
         positions = torch.arange(first, pos + 1, device="cuda")
@@ -153,34 +158,28 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, rin
         assert rel_err(kernel.attn_out[b], ref) < REL_TOL, f"row {b} (position {pos})"
 
 
-@pytest.mark.parametrize("form", ["tiles", "pairs", "ring"])
+@pytest.mark.parametrize("form", ["tiles", "pairs"])
 def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
-    """tiles: one 16-row tile a task; pairs: two a task (register product, one after the other); ring: two a
-    task streamed through the per-lane ring, first steps issued before the wait (OPROJ_RING)."""
+    """tiles: one 16-row tile a task; pairs: two a task (register product, one after the other)."""
     from northcode.megakernel.kernel import TaskType, make_task
-    from northcode.megakernel.variants import FLAG_OPROJ_RING
 
     config, weights, model, cache, kernel = env(geometry)
     attn_out, x = randn_bf16(8, config.q_size), torch.randn(8, config.hidden_size, device="cuda")
     kernel.attn_out.copy_(attn_out)
     kernel.x.copy_(x)
     tiles, per_task = config.hidden_size // 16, 1 if form == "tiles" else 2
-    with params_set(kernel, flags=kernel.params.flags | (FLAG_OPROJ_RING if form == "ring" else 0)):
-        run(kernel, [[make_task(TaskType.OPROJ, 2, (t, per_task)) for t in range(0, tiles, per_task)]])
+    run(kernel, [[make_task(TaskType.OPROJ, 2, (t, per_task)) for t in range(0, tiles, per_task)]])
     ref = F.linear(attn_out.float(), model.layers[2].o_proj.float())
     assert rel_err(kernel.x - x, ref) < REL_TOL
 
 
-@pytest.mark.parametrize("flags", ["variant", "fast-topk", "down-reversed", "down-strided"])
-def test_router_topk_and_routed_experts(geometry: str, flags: str) -> None:
+def test_router_topk_and_routed_experts(geometry: str) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
-    and the routed experts' output match the reference computed with the kernel's choice. flags: as
-    $NC_VARIANT sets them, or with FAST_TOPK (slots by ballot), DOWN_REVERSED (down shares reversed) or
-    DOWN_STRIDED (down tiles round-robin)."""
+    and the routed experts' output match the reference computed with the kernel's choice (flags as
+    $NC_VARIANT sets them)."""
     from northcode.bench.decode_oracle import route_weights
     from northcode.megakernel.kernel import TaskType, make_task
-    from northcode.megakernel.variants import FLAG_DOWN_REVERSED, FLAG_DOWN_STRIDED, FLAG_FAST_TOPK
     from northcode.model.model import run_experts
 
     config, weights, model, cache, kernel = env(geometry)
@@ -197,11 +196,8 @@ def test_router_topk_and_routed_experts(geometry: str, flags: str) -> None:
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.router_logits.zero_()
-    extra = {"variant": 0, "fast-topk": FLAG_FAST_TOPK, "down-reversed": FLAG_DOWN_REVERSED,
-             "down-strided": FLAG_DOWN_STRIDED}[flags]
     kernel.slot_weight.fill_(float("nan"))  # every (slot, row) the step uses must be written
-    with params_set(kernel, flags=kernel.params.flags | extra):
-        run(kernel, waves, num_counters=4 + config.num_experts)
+    run(kernel, waves, num_counters=4 + config.num_experts)
     lw = model.layers[layer]
     logits_ref = F.linear(h, lw.router)  # bf16, as model.route
     assert rel_err(kernel.router_logits, logits_ref.float()) < REL_TOL
