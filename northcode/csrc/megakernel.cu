@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#define NC_ABI_VERSION 6
+#define NC_ABI_VERSION 5
 
 #if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
@@ -150,7 +150,6 @@ struct Params {
   int num_counters;
   int flags;                             // NC_FLAG_* (runtime variants the benchmark compares)
   int kv_stages;                         // stages of the attention ring, 1..kStages (sizes the launch's shared memory)
-  int moe_stages;                        // steps of the MoE weight ring in flight per lane, 1..kMoeStages
   const RowState* rows;                  // [NC_MAX_BATCH]
   int* tokens;                           // [NC_MAX_BATCH] in: this step's tokens; out: sampled tokens
   int* status;                           // [4] code, detail, detail, 0
@@ -945,8 +944,8 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 //   finish in order), down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
 //   slot, so its activation rows are loaded once per slot). Each lane streams its own pieces of the
 //   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
-//   through a private ring of Params.moe_stages (<= kMoeStages) steps in shared memory by cp.async, that many
-//   x 16 KB in flight per SM across tile boundaries, and multiplies a step once its copy group is complete; the block
+//   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
+//   per SM across tile boundaries, and multiplies a step once its copy group is complete; the block
 //   meets only to reduce a tile's warps. Up: moe_act[slot][b] = bf16(silu(gate) * up), "slot done" += 1
 //   per tile (the slot is done at I/16). Down: waits for its slot, then x[b] += bf16(bf16(down . act) *
 //   weight[slot][b]) for the rows routed to that expert.
@@ -964,7 +963,6 @@ struct MoeStream {  // one lane's view of a task's weight stream: tile i of the 
   const bf16* base;  // up: the layer's gate_up [E, 2I, H]; down: down [E, H, I]
   int kind;          // StreamKind: which weights, and K (H for up, I for down)
   int first, stride, count, steps;  // the block's tiles: first + i * stride, i < count; steps per tile (this warp)
-  int depth;                        // ring steps in flight (Params.moe_stages): deeper rings queue more bytes
   uint4* ring;
 };
 
@@ -987,7 +985,7 @@ __device__ __forceinline__ void moe_tile_rows(const MoeStream& st, int tile, con
   }
 }
 
-// Issues step q of the lane's stream into ring slot q % depth (nothing past the end) and commits a group.
+// Issues step q of the lane's stream into ring slot q % kMoeStages (nothing past the end) and commits a group.
 __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
   const int tile = st.steps > 0 ? moe_tile_of(st, q / st.steps) : -1;
   if (tile >= 0) {
@@ -996,7 +994,7 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
     const int c = warp + kWarps * (q % st.steps);
     const bf16 *wa, *wb;
     moe_tile_rows(st, tile, wa, wb);
-    uint4* slot = st.ring + (size_t)(q % st.depth) * 4 * kThreads + threadIdx.x;
+    uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
     cp_async16(slot, wa + lo);
     cp_async16(slot + kThreads, wa + hi);
@@ -1007,7 +1005,7 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
 }
 
 // Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the
-// activation fragments in xa), refilling each consumed ring slot with the step `depth` ahead.
+// activation fragments in xa), refilling each consumed ring slot with the step kMoeStages ahead.
 template <int kSteps>
 __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, const uint4 (&xa)[kSteps], float (&acc)[2][4]) {
 #pragma unroll
@@ -1016,19 +1014,19 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
   for (int j = 0; j < kSteps; ++j) {
     if (j < st.steps) {
       const int q = i * st.steps + j;
-      cp_async_wait_pending(st.depth - 1);
-      const uint4* slot = st.ring + (size_t)(q % st.depth) * 4 * kThreads + threadIdx.x;
+      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
+      const uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
       const uint4 a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];
       mma_piece(acc[0], a_lo, a_hi, xa[j]);
       mma_piece(acc[1], b_lo, b_hi, xa[j]);
-      moe_issue(st, q + st.depth);
+      moe_issue(st, q + kMoeStages);
     }
   }
 }
 
-// Issues the stream's first `depth` steps.
+// Issues the stream's first kMoeStages steps (before any wait where the weights are already known).
 __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
-  for (int q = 0; q < st.depth; ++q) moe_issue(st, q);
+  for (int q = 0; q < kMoeStages; ++q) moe_issue(st, q);
 }
 
 __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
@@ -1040,7 +1038,7 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
   __syncthreads();
   MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up ? STREAM_UP : STREAM_DOWN, 0, 1, 0,
-               warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0, p.moe_stages,
+               warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
                reinterpret_cast<uint4*>(smem + kMoeRingOffset)};
   if (up) {  // round-robin
     const int total = slots * (up ? kUpTilesPerSlot : kDownTilesPerSlot);
@@ -1432,11 +1430,9 @@ extern "C" int nc_init(void) {
 // 0 ok, -1 error. Device-side failures (timeouts, bad pages or tokens) land in p->status.
 extern "C" int nc_decode_step(const Params* p, void* stream) {
   if (p == nullptr || p->num_blocks <= 0 || p->batch_size <= 0 || p->batch_size > kMaxBatch || p->kv_stages < 1 ||
-      p->kv_stages > kStages || p->moe_stages < 1 || p->moe_stages > kMoeStages) {
-    snprintf(g_last_error, sizeof(g_last_error),
-             "nc_decode_step: bad params (num_blocks %d, batch_size %d, kv_stages %d of 1..%d, moe_stages %d of 1..%d)",
-             p ? p->num_blocks : -1, p ? p->batch_size : -1, p ? p->kv_stages : -1, kStages, p ? p->moe_stages : -1,
-             kMoeStages);
+      p->kv_stages > kStages) {
+    snprintf(g_last_error, sizeof(g_last_error), "nc_decode_step: bad params (num_blocks %d, batch_size %d, kv_stages %d of 1..%d)",
+             p ? p->num_blocks : -1, p ? p->batch_size : -1, p ? p->kv_stages : -1, kStages);
     return -1;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);

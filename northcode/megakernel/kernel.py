@@ -37,7 +37,7 @@ __all__ = ["FLAG_NO_KV_PRELOAD", "FLAG_PREFETCH_CURRENT", "FLAG_PREFETCH_NEXT", 
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
            "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS", "WAVE_ORDERS"]
 
-ABI_VERSION = 6
+ABI_VERSION = 5
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "megakernel.cu"
 NVCC_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
@@ -148,8 +148,7 @@ class Params(ctypes.Structure):
                 ("k_pool", _U64), ("v_pool", _U64), ("block_tables", _U64), ("num_pages", _I64),
                 ("max_seqs", _I32), ("max_pages_per_seq", _I32), ("tasks", _U64), ("task_start", _U64),
                 ("num_blocks", _I32), ("batch_size", _I32), ("counters", _U64), ("num_counters", _I32),
-                ("flags", _I32), ("kv_stages", _I32), ("moe_stages", _I32), ("rows", _U64), ("tokens", _U64),
-                ("status", _U64),
+                ("flags", _I32), ("kv_stages", _I32), ("rows", _U64), ("tokens", _U64), ("status", _U64),
                 *[(name, _U64) for name in SCRATCH_FIELDS], ("profile", _U64),
                 ("norm_eps", _F32), ("logit_scale", _F32), ("timeout_ns", _I64), ("trace_x", _U64),
                 ("trace_router", _U64)]
@@ -240,7 +239,6 @@ class Megakernel:
         self.variant_name, self.variant = name, VARIANTS[name]
         self.params.flags = self.variant.flags
         self.params.kv_stages = min(self.variant.kv_stages, self.lib.nc_max_kv_stages())
-        self.params.moe_stages = self.variant.moe_stages
 
     def _check_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         checked = {}

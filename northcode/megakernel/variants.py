@@ -22,7 +22,6 @@ class Variant:
 
     flags: int = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
     kv_stages: int = 3
-    moe_stages: int = 6  # MoE ring steps in flight per lane (16 KB per SM each; at most kMoeStages = 6)
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
     fused_combine: bool = False  # the last attention split of a (row, KV head) merges them (no COMBINE tasks)
@@ -40,15 +39,10 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "kv-stages-2": Variant(kv_stages=2),
     "kv-stages-5": Variant(kv_stages=5),
     "oproj-before-down": Variant(wave_order="oproj-before-down"),
-    # with a fused combine, tail-early is oproj-before-down (ATTN, UP, OPROJ, DOWN); run 15: +9.7% / +4.4% at B=1
+    # with a fused combine, tail-early is oproj-before-down (ATTN, UP, OPROJ, DOWN); not yet run on a GPU (day 2)
     "fused-combine": Variant(fused_combine=True),
     "fused-oproj-before-down": Variant(fused_combine=True, wave_order="oproj-before-down"),
-    # fewer MoE bytes in flight: shorter memory queues for the critical path's loads (not yet run, day 2)
-    "moe-stages-4": Variant(moe_stages=4),
-    "moe-stages-3": Variant(moe_stages=3),
-    "moe-stages-2": Variant(moe_stages=2),
-    "moe-stages-3-current": Variant(moe_stages=3, flags=FLAG_PREFETCH_CURRENT),
-    "moe-stages-3-fused": Variant(moe_stages=3, fused_combine=True, wave_order="oproj-before-down"),
+    "fused-moe-first": Variant(fused_combine=True, wave_order="moe-first"),
 }
 
 

@@ -173,12 +173,11 @@ def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
     assert rel_err(kernel.x - x, ref) < REL_TOL
 
 
-@pytest.mark.parametrize("moe_stages", ["variant", 1])
-def test_router_topk_and_routed_experts(geometry: str, moe_stages) -> None:
+def test_router_topk_and_routed_experts(geometry: str) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
     and the routed experts' output match the reference computed with the kernel's choice (flags as
-    $NC_VARIANT sets them; the MoE ring as it sets it, or one step deep)."""
+    $NC_VARIANT sets them)."""
     from northcode.bench.decode_oracle import route_weights
     from northcode.megakernel.kernel import TaskType, make_task
     from northcode.model.model import run_experts
@@ -198,8 +197,7 @@ def test_router_topk_and_routed_experts(geometry: str, moe_stages) -> None:
     kernel.routed.zero_()
     kernel.router_logits.zero_()
     kernel.slot_weight.fill_(float("nan"))  # every (slot, row) the step uses must be written
-    with params_set(kernel, **({} if moe_stages == "variant" else dict(moe_stages=moe_stages))):
-        run(kernel, waves, num_counters=4 + config.num_experts)
+    run(kernel, waves, num_counters=4 + config.num_experts)
     lw = model.layers[layer]
     logits_ref = F.linear(h, lw.router)  # bf16, as model.route
     assert rel_err(kernel.router_logits, logits_ref.float()) < REL_TOL
