@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One megakernel device call (correctness of the default kernel, then timing), under 7 minutes on the H200:
 #     run(command="bash tools/device_megakernel.sh", timeout_s=500)
-# Env: BENCH_VARIANTS (megakernel variants timed against the default, as megakernel/<name>),
+# Env: BENCH_ONLY (1: skip the tests), BENCH_VARIANTS (megakernel variants timed against the default, as megakernel/<name>),
 #      FULL49 (1: also the 49-layer teacher-forced test at B = 1, the 32K-context test and the free-running figure;
 #      NC_TEST_STEPS=256 for the 256 steps, ~3 min more), BENCH_TORCH (1: torch too).
 # Logs in $OUT/<phase>.log, figures in $OUT/report.jsonl (they come back as logs.tgz), the default's raw profiles
@@ -32,6 +32,7 @@ with ThreadPoolExecutor(2) as pool:
 D=tests/gpu/test_megakernel_decode.py
 T=tests/gpu/test_megakernel_tasks.py
 phase build 60 python3 -c "$BUILD"
+if [ "${BENCH_ONLY:-0}" != 1 ]; then  # BENCH_ONLY=1: build and time only (the tested kernel did not change)
 phase tiny 100 python3 -m pytest -q -rf -k "not full5" $T tests/gpu/test_megakernel_kv_writes.py \
   tests/gpu/test_megakernel_sampling.py "$D::test_tiny_teacher_forced" "$D::test_free_running_greedy_agreement[tiny-4]"
 phase tasks5 60 python3 -m pytest -q -rf -k full5 $T
@@ -39,6 +40,7 @@ FULL_TESTS=("$D::test_full_shapes_shallow_teacher_forced")
 [ "${FULL49:-0}" = 1 ] && FULL_TESTS+=("$D::test_full_teacher_forced[1]" "$D::test_full_32k_context" \
   "$D::test_free_running_greedy_agreement[north-mini-code-1]")
 phase full 150 python3 -m pytest -q -rf "${FULL_TESTS[@]}"
+fi
 BACKENDS=megakernel
 [ "${BENCH_TORCH:-0}" = 1 ] && BACKENDS="megakernel torch"
 phase bench 150 python3 -m northcode.bench.decode_bench --quick --profile --backends $BACKENDS \

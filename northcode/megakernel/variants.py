@@ -24,6 +24,7 @@ class Variant:
     kv_stages: int = 3
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
+    max_splits: int = 32  # attention splits per (row, KV head) at most (fewer: a smaller combine, longer splits)
     fused_combine: bool = False  # the last attention split of a (row, KV head) merges them (no COMBINE tasks)
 
 
@@ -42,6 +43,8 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     # with a fused combine, tail-early is oproj-before-down (ATTN, UP, OPROJ, DOWN); not yet run on a GPU (day 2)
     "fused-combine": Variant(fused_combine=True),
     "fused-oproj-before-down": Variant(fused_combine=True, wave_order="oproj-before-down"),
+    "qkv-tiles-3": Variant(qkv_tiles=3),  # one round of QKV tasks on the 123 non-router SMs (not yet run, day 2)
+    "splits-16": Variant(max_splits=16),  # half the combine's reads at B=1 (not yet run, day 2)
     "fused-moe-first": Variant(fused_combine=True, wave_order="moe-first"),
 }
 

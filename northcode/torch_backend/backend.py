@@ -41,6 +41,7 @@ from northcode.engine.kv_cache import page_bytes
 from northcode.engine.request import SamplingParams
 from northcode.engine.sampling import Sampler
 from northcode.model.model import check_weights, layer_weights, rope_inv_freq
+from northcode.torch_backend.compiled_step import CompiledDecode, compile_requested
 from northcode.torch_backend.decode_step import DecodeStep, slot_major_qkv
 from northcode.torch_backend.launch import LaunchedDecode, carried_tokens, check_launchable, copy_from_host
 from northcode.torch_backend.launch import sample_on_device, to_device
@@ -50,6 +51,7 @@ from northcode.torch_backend.routed_experts import choose_moe_path
 log = logging.getLogger(__name__)
 MIN_CONTEXT_PAGES = 4  # smallest context bucket of the decode graphs (pages of full layers)
 BUCKET_STEPS_PER_OCTAVE = 8  # context buckets: 16, 18, 20, ..., 30, 32, 36, ... pages
+ANY_CONTEXT = 0  # the context part of a compiled step's graph key: one graph serves every context length
 
 
 def next_power_of_two(n: int) -> int:
@@ -70,7 +72,10 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], num_pages: int, page_size: int,
-                 max_batch: int, max_pages_per_seq: int, cuda_graphs: bool = True, compile: bool = False) -> None:
+                 max_batch: int, max_pages_per_seq: int, cuda_graphs: bool = True, compile: bool | None = None) -> None:
+        """compile: torch.compile the decode step (compiled_step.py); None: NORTHCODE_TORCH_COMPILE, else on for
+        CUDA when triton imports. A compile that fails or disagrees with the eager step at warm-up is
+        logged once (compile_failure) and the eager step decodes instead."""
         check_weights(config, weights)
         self.config = config
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
@@ -114,9 +119,10 @@ class TorchBackend:
         self.last_launch_tokens: torch.Tensor | None = None  # device long [B]: what launch_decode sampled last
         self.prefiller = ChunkPrefill(self)
         self.decoder = DecodeStep(self)  # its prepare / layer are what the GPU tests teacher-force
-        self.decode_step = self.decoder.__call__  # (token_ids, positions, rows, num_full_pages) -> logits
-        if compile and self.device.type == "cuda":  # fuses the step's elementwise ops; slow to compile
-            self.decode_step = torch.compile(self.decoder.__call__, dynamic=False, fullgraph=False)
+        self.compiled = CompiledDecode(self) if compile_requested(compile, self.device) else None
+        self.compile_failure: str | None = None  # why compile was given up, if it was
+        # (token_ids, positions, rows, num_full_pages) -> logits: the compiled step, or the eager one
+        self.decode_step = self.compiled if self.compiled is not None else self.decoder.__call__
 
     def can_sample(self, params: SamplingParams) -> bool:
         return True  # every parameter: the PyTorch sampler runs on this device after the step
@@ -177,10 +183,15 @@ class TorchBackend:
         The model step of both decode and launch_decode: where tests inject hangs and failures."""
         self.upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
         num_rows = len(batch.rows)
-        bucket = min(next_power_of_two(num_rows), self.max_batch) if self.use_graphs else num_rows
+        bucketed = self.use_graphs or self.compiled is not None  # a compiled step has static shapes too
+        bucket = min(next_power_of_two(num_rows), self.max_batch) if bucketed else num_rows
+        if self.compiled is not None and bucket not in self.compiled.ready:
+            self._compile(bucket)  # not warmed up (warm_up compiles every bucket)
         context_pages = -(-(max(batch.positions) + 1) // self.page_size)
         num_full_pages = context_pages  # eager: exactly the pages needed; graphs: a bucket of them
-        if self.use_graphs:
+        if self.compiled is not None:
+            num_full_pages = ANY_CONTEXT
+        elif self.use_graphs:
             num_full_pages = context_bucket(context_pages, self.max_pages_per_seq)
         pad = bucket - num_rows
         token_ids = F.pad(token_ids, (0, pad))  # padded rows feed token 0 at position 0 of the scratch row
@@ -195,21 +206,41 @@ class TorchBackend:
         return graph.run(token_ids, positions, rows)[:num_rows].clone()
 
     def warm_up(self) -> None:
-        """Capture the decode graph of every batch bucket at the smallest context before serving, so the
-        first requests do not pay for it (longer contexts capture their bucket on first use)."""
+        """Before serving, for every batch bucket: compile the step (when compile is on) and capture its decode
+        graph, so no request pays for either. A compiled step's graph serves every context; the eager step's
+        are captured here at the smallest context (longer contexts capture their bucket on first use)."""
+        buckets = sorted({min(next_power_of_two(n), self.max_batch) for n in range(1, self.max_batch + 1)})
+        for bucket in buckets:
+            if self.compiled is not None and bucket not in self.compiled.ready:
+                self._compile(bucket)
         if not self.use_graphs:
             return
-        pages = context_bucket(1, self.max_pages_per_seq)
-        for bucket in sorted({min(next_power_of_two(n), self.max_batch) for n in range(1, self.max_batch + 1)}):
-            if (bucket, pages) not in self.graphs:
+        for bucket in buckets:
+            pages = ANY_CONTEXT if self.compiled is not None else context_bucket(1, self.max_pages_per_seq)
+            if (bucket, pages) not in self.graphs and (bucket, pages) not in self.capture_failures:
                 self._capture(bucket, pages)
+
+    def _compile(self, bucket: int) -> None:
+        """Compile (and check) the step of a batch bucket; on any failure warn once and decode with the eager
+        step from then on (the compiled graphs captured so far are dropped)."""
+        try:
+            seconds = self.compiled.compile_bucket(bucket)
+            log.info("compiled the decode step for batch %d in %.1f s", bucket, seconds)
+        except Exception as err:  # whatever inductor, triton or the check raised: the eager step is correct
+            self.compile_failure = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
+            log.warning("torch.compile of the decode step failed for batch %d (%s); decoding with the eager step",
+                        bucket, self.compile_failure)
+            self.compiled = None
+            self.decode_step = self.decoder.__call__
+            self.graphs = {key: graph for key, graph in self.graphs.items() if key[1] != ANY_CONTEXT}
 
     def _capture(self, bucket: int, num_full_pages: int) -> _DecodeGraph | None:
         """The decode graph of a (batch bucket, context pages) pair, or None when its capture failed (logged,
         kept in capture_failures: the bucket then runs eagerly). A failing warm-up step raises: then the
         step itself is broken, not its capture."""
         key = (bucket, num_full_pages)
-        log.info("capturing the decode graph for batch %d, %d context pages", bucket, num_full_pages)
+        log.info("capturing the decode graph for batch %d, %s", bucket, "compiled, every context"
+                 if num_full_pages == ANY_CONTEXT else f"{num_full_pages} context pages")
         graph = _DecodeGraph(self, bucket, num_full_pages)
         graph.warm_up()
         try:

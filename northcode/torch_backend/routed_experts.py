@@ -56,6 +56,12 @@ def grouped_experts(x: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, dow
 
     h [N, H] normed input; gate_up [E, 2I, H]; down [E, H, I]; expert_ids, weights [N, k];
     expert_range: int arange(E) on the device (a constant: searchsorted gives each group's end)."""
+    return add_weighted(x, grouped_pair_outputs(h, gate_up, down, expert_ids, expert_range), weights)
+
+
+def grouped_pair_outputs(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                         expert_range: torch.Tensor) -> torch.Tensor:
+    """[N, k, H]: SwiGLU_{expert_ids[n, j]}(h[n]) at [n, j], through the grouped GEMM (grouped_experts)."""
     num_tokens, k = expert_ids.shape
     sorted_ids, order = expert_ids.flatten().sort(stable=True)  # [N*k] pairs grouped by expert
     offsets = torch.searchsorted(sorted_ids, expert_range, right=True, out_int32=True)  # [E] group ends
@@ -63,7 +69,7 @@ def grouped_experts(x: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, dow
     gate, up = _grouped_mm(tokens, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [N*k, I]
     expert_out = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N*k, H] sorted
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)  # pair j of token n at n*k+j
-    return add_weighted(x, unsorted.view(num_tokens, k, -1), weights)
+    return unsorted.view(num_tokens, k, -1)
 
 
 def add_weighted(x: torch.Tensor, pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -81,13 +87,21 @@ def add_weighted(x: torch.Tensor, pair_out: torch.Tensor, weights: torch.Tensor)
 def gathered_experts(x: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """As grouped_experts, by copying the N*k chosen experts' weights (static shapes, no sort)."""
+    return add_weighted(x, gathered_pair_outputs(h, gate_up, down, expert_ids), weights)
+
+
+def gathered_pair_outputs(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                          expert_ids: torch.Tensor) -> torch.Tensor:
+    """[N, k, H] as grouped_pair_outputs, by batched GEMVs over the chosen experts' weights. Eagerly the
+    index_select copies them; compiled with inductor's GEMV decomposition (compiled_step.py) the gather
+    becomes the GEMV's own indirect loads, and only the chosen experts are read, in place."""
     num_tokens, k = expert_ids.shape
     flat_ids = expert_ids.flatten()  # [N*k]
     chosen_gate_up = gate_up.index_select(0, flat_ids).view(num_tokens, -1, gate_up.shape[-1])  # [N, k*2I, H]
     hidden = torch.bmm(chosen_gate_up, h[:, :, None]).view(num_tokens * k, 2, -1)  # [N*k, 2, I]: gate, up
     act = F.silu(hidden[:, 0]) * hidden[:, 1]  # [N*k, I]
     expert_out = torch.bmm(down.index_select(0, flat_ids), act[:, :, None])  # [N*k, H, 1]
-    return add_weighted(x, expert_out.view(num_tokens, k, -1), weights)
+    return expert_out.view(num_tokens, k, -1)
 
 
 def route_logits(logits: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
