@@ -59,7 +59,8 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
     v = VARIANTS[variant]
     for blocks, context in ((132, 8192), (7, 100)):
         splits = attention_splits(config, batch, blocks, context)
-        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles, v.fused_combine)
+        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles, v.fused_combine,
+                                  v.local_norm)
         assert schedule.tasks.shape[1] == TASK_WORDS
         counters, _ = simulate(schedule)
         tasks = schedule.tasks.tolist()

@@ -78,11 +78,11 @@ static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
 enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
-  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
+  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope, arg3 LocalNorm bits: q, and K/V into the pages
   TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none), arg5 fused combine
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles, arg2 LocalNorm bits: router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
   TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
   TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
@@ -346,7 +346,7 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
-template <int NT>
+template <int NT, bool kActShared = false>  // kActShared: act is in shared memory (a local norm's h)
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
                           const bf16* act, int act_stride, int batch, float* red, float* out) {
   constexpr int U = 4;  // k-chunks in flight per lane (more spills registers at 255)
@@ -377,7 +377,8 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
           wb[n][u] = load_weight16(w_hi[n] + c * 32);
         }
-        xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+        xa[u] = !has_row ? make_uint4(0, 0, 0, 0)
+              : kActShared ? *reinterpret_cast<const uint4*>(a_row + c * 32) : load_act16(a_row + c * 32);
       }
     }
 #pragma unroll
@@ -408,6 +409,7 @@ struct GemmSmem {
   float out[2 * 128];
   ArgMax best[128];
 };
+constexpr size_t kLocalHOffset = (sizeof(GemmSmem) + 15) / 16 * 16;  // a local norm's h [8][H] bf16 follows GemmSmem
 
 __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int which) {
   return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
@@ -474,6 +476,74 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
 #endif
 }
 
+// Local norm (sparse layers when the task lists say so: QKV arg3, ROUTER arg2; bit 1 on): the task
+// normalises the residual itself into shared memory, one warp per row, instead of waiting for a NORM task:
+// one L2 round trip instead of a task hop (the NORM's loads, its store fence, the counter, the h loads).
+// Same arithmetic as task_norm (sums in another order). Bit 2: also write the rounded residual back into
+// x (and trace_x): one QKV task does; bit 4: also write h to global memory for the MoE up tiles: one router
+// task does. The lists order these writes before any task that adds into x or reads h.
+enum LocalNorm : int { LOCAL_NORM = 1, LOCAL_WRITE_X = 2, LOCAL_WRITE_H = 4 };
+static_assert(kHidden % 128 == 0, "local norm: float4 per lane");
+__device__ void norm_rows_local(const Params& p, int layer, int how, bf16* h_s) {
+  constexpr int kPer = kHidden / 128;  // float4s per lane
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bf16* weight = layer_ptr(p, layer, LP_NORM);
+  for (int b = warp; b < p.batch_size; b += kWarps) {
+    float* xr = p.x + (size_t)b * kHidden;
+    bf16* hr = h_s + (size_t)b * kHidden;  // first the rounded residual (exact in bf16), then h in its place
+    float4 v[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(xr) + lane + 32 * j);  // one round trip
+    float sum = 0.f, sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const bf16 r[4] = {__float2bfloat16_rn(v[j].x), __float2bfloat16_rn(v[j].y), __float2bfloat16_rn(v[j].z),
+                         __float2bfloat16_rn(v[j].w)};
+      *reinterpret_cast<uint2*>(hr + 4 * (lane + 32 * j)) = *reinterpret_cast<const uint2*>(r);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sum += to_f(r[k]), sq += to_f(r[k]) * to_f(r[k]);
+    }
+#if NC_RMS_NORM
+    const float mean = 0.f, inv = 1.0f / sqrtf(warp_sum(sq) / kHidden + p.norm_eps);
+#else
+    const float mean = warp_sum(sum) / kHidden;
+    float var = 0.f;  // sum of (x - mean)^2, as task_norm (not sq / H - mean^2: no cancellation)
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float d = to_f(hr[4 * (lane + 32 * j) + k]) - mean;
+        var += d * d;
+      }
+    const float inv = 1.0f / sqrtf(warp_sum(var) / kHidden + p.norm_eps);
+#endif
+    float* trace = p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + b) * kHidden : nullptr;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = 4 * (lane + 32 * j);
+      float in[4];
+      bf16 out[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        in[k] = to_f(hr[i + k]);
+#if NC_RMS_NORM
+        out[k] = __float2bfloat16_rn(to_f(weight[i + k]) * bf16_round(in[k] * inv));
+#else
+        out[k] = __float2bfloat16_rn(to_f(weight[i + k]) * ((in[k] - mean) * inv));
+#endif
+      }
+      *reinterpret_cast<uint2*>(hr + i) = *reinterpret_cast<const uint2*>(out);
+      if (how & LOCAL_WRITE_H) *reinterpret_cast<uint2*>(p.h + (size_t)b * kHidden + i) = *reinterpret_cast<const uint2*>(out);
+      if (how & LOCAL_WRITE_X) {
+        const float4 rounded = make_float4(in[0], in[1], in[2], in[3]);
+        reinterpret_cast<float4*>(xr)[lane + 32 * j] = rounded;
+        if (trace) reinterpret_cast<float4*>(trace)[lane + 32 * j] = rounded;
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // ====  5. Task: QKV  ===========================================================================
 //   16-row tiles of the stacked [q; k; v] projection of h (K = H). Epilogue per (row r, batch b):
 //   round to bf16, GPT-J RoPE on q and k where the layer uses it (pairs 2i, 2i+1 are rows r, r^1 of
@@ -516,22 +586,33 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
                               : layer_ptr(p, layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
 }
 
-__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+template <bool kLocal>  // kLocal: h is this task's own norm of x, in shared memory
+__device__ void qkv_tiles(const Params& p, const Task& t, GemmSmem& s, const bf16* h) {
   const int end = t.arg[0] + t.arg[1];
   for (int tile = t.arg[0]; tile < end; tile += 2) {  // two tiles per product when the task has them
     if (tile + 1 < end) {
       const bf16* tiles[2] = {qkv_weight_tile(p, t.layer, tile), qkv_weight_tile(p, t.layer, tile + 1)};
       const int valid[2] = {16, 16};
-      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      mma_tiles<2, kLocal>(tiles, valid, kHidden, h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
-      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      mma_tiles<1, kLocal>(tiles, valid, kHidden, h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     }
+  }
+}
+
+__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  if (t.arg[3] & LOCAL_NORM) {
+    bf16* h = reinterpret_cast<bf16*>(smem + kLocalHOffset);
+    norm_rows_local(p, t.layer, t.arg[3], h);
+    qkv_tiles<true>(p, t, s, h);
+  } else {
+    qkv_tiles<false>(p, t, s, p.h);
   }
 }
 
@@ -836,10 +917,16 @@ __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) 
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  const bool local = t.arg[2] & LOCAL_NORM;  // arg2: LocalNorm bits
+  bf16* h_local = reinterpret_cast<bf16*>(smem + kLocalHOffset);
+  if (local) norm_rows_local(p, t.layer, t.arg[2], h_local);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    if (local)
+      mma_tiles<1, true>(tiles, valid, kHidden, h_local, kHidden, p.batch_size, s.red, s.out);
+    else
+      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
@@ -1370,6 +1457,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
 constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
+static_assert(kLocalHOffset + (size_t)kMaxBatch * kHidden * 2 <= kBaseSmemBytes, "a local norm's h fits every launch");
 
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";

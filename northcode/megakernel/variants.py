@@ -20,32 +20,30 @@ class Variant:
     Every variant runs the one kernel: a variant that needs other code generation is not a variant
     (docs/performance.md, run 4: a second kernel's code generation cost more than its ideas gained)."""
 
-    flags: int = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
+    flags: int = FLAG_PREFETCH_CURRENT  # run 17: the next task's prefetch too was 5% slower at B=1, 2% at B=8
     kv_stages: int = 3
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
     max_splits: int = 32  # attention splits per (row, KV head) at most (fewer: a smaller combine, longer splits)
     fused_combine: bool = False  # the last attention split of a (row, KV head) merges them (no COMBINE tasks)
+    local_norm: bool = False  # QKV and router tasks normalise x themselves: no NORM hop in sparse layers
 
 
-_PREFETCH = FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
     "default": Variant(),
     "no-prefetch": Variant(flags=0),
-    "prefetch-current": Variant(flags=FLAG_PREFETCH_CURRENT),
+    "prefetch-both": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT),  # the default until run 17
     "tail-early": Variant(wave_order="tail-early"),
     "moe-first": Variant(wave_order="moe-first"),
     "qkv-single": Variant(qkv_tiles=1),
-    "no-kv-preload": Variant(flags=_PREFETCH | FLAG_NO_KV_PRELOAD),
+    "no-kv-preload": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_NO_KV_PRELOAD),
     "kv-stages-2": Variant(kv_stages=2),
     "kv-stages-5": Variant(kv_stages=5),
     "oproj-before-down": Variant(wave_order="oproj-before-down"),
-    # with a fused combine, tail-early is oproj-before-down (ATTN, UP, OPROJ, DOWN); not yet run on a GPU (day 2)
+    # runs 15, 17: +10% / +4.6% at B=1 (with a fused combine, tail-early is oproj-before-down)
     "fused-combine": Variant(fused_combine=True),
     "fused-oproj-before-down": Variant(fused_combine=True, wave_order="oproj-before-down"),
-    "qkv-tiles-3": Variant(qkv_tiles=3),  # one round of QKV tasks on the 123 non-router SMs (not yet run, day 2)
-    "splits-16": Variant(max_splits=16),  # half the combine's reads at B=1 (not yet run, day 2)
-    "fused-moe-first": Variant(fused_combine=True, wave_order="moe-first"),
+    "local-norm": Variant(local_norm=True),  # not yet run on a GPU (day 2)
 }
 
 

@@ -170,7 +170,7 @@ def paged_attention(queries: torch.Tensor, pool: torch.Tensor, view: tuple, spec
         page, offset = kv_idx // ps, kv_idx % ps
         seen = (page != last_page[b]) | (offset <= last_offset[b])
         if spec.sliding:
-            seen = seen & ((page != first_page[b]) | (offset >= first_offset[b]))
+            seen = seen & ((page != first_page[b]) | (offset > first_offset[b]))
         return seen
 
     mask = BlockMask.from_kv_blocks(num_blocks.view(batch, 1, 1), indices.view(batch, 1, 1, -1),
@@ -215,6 +215,7 @@ def gemv_enabled() -> bool:
 RECOMPILE_LIMIT = 512  # graphs per compiled function: kinds x buckets x backends of other shapes (tests)
 CHECK_LAYER_COS_MIN = 0.9  # warm-up check, per layer: rounding gives ~0.9999, a swapped expert ~0.97, a bug ~0
 CHECK_LOGITS_COS_MIN = 0.99  # and the LM head on the same input
+MEMORY_SLACK_BYTES = 64 << 20  # a step's own temporaries (logits, split-KV partials, MoE rows) stay below this
 
 
 class CompileCheckError(RuntimeError):
@@ -333,10 +334,24 @@ class CompiledDecode:
         with torch.inference_mode():
             self(token_ids, positions, rows)
             self.check(token_ids, positions, rows)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":
+                self.check_memory(token_ids, positions, rows)
         self.ready[batch] = time.perf_counter() - start
         return self.ready[batch]
+
+    def check_memory(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """CompileCheckError if a step allocates as much as half the KV pool: the K/V were copied, not read in
+        place (what inductor's CPU flex template does; on a GPU it would cost a pool copy per layer)."""
+        device, pool_bytes = self.backend.device, self.backend.kv_pool.nbytes
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self(token_ids, positions, rows)
+        torch.cuda.synchronize(device)
+        extra = torch.cuda.max_memory_allocated(device) - before
+        if extra > max(pool_bytes // 2, MEMORY_SLACK_BYTES):
+            raise CompileCheckError(f"a compiled step allocates {extra / 1e6:.0f} MB next to a KV pool of "
+                                    f"{pool_bytes / 1e6:.0f} MB: it copies the pool instead of reading it in place")
 
     def check(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """Each compiled layer against DecodeStep.layer on the same input (teacher-forced, the eager output

@@ -1,0 +1,123 @@
+"""The torch.compile'd decode step (torch_backend/compiled_step.py) on the CPU: the setting, the fallback to the
+eager step, the warm-up check, and (where a C++ compiler exists: inductor's CPU code is C++) the compiled step
+of the tiny model against the eager step over contexts that cross pages and the sliding window."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
+from northcode.engine.kv_cache import KVCacheManager
+from northcode.model.checkpoint import load_checkpoint
+from northcode.torch_backend import compiled_step
+from northcode.torch_backend.compiled_step import CompileCheckError, CompiledDecode, compile_requested
+from northcode.torch_backend.backend import TorchBackend
+
+PAGE = 16  # the tiny model's 32-token window spans two or three pages
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint, dtype=torch.float32)
+
+
+def prefilled(config, weights, lengths: list[int], tokens: list[int], compile: bool | None):
+    """A backend (4 rows, no graphs on the CPU) with rows 0.. prefilled to `lengths`, and its KV manager."""
+    kv = KVCacheManager(config, 200, PAGE, 4, 64)
+    backend = TorchBackend(config, weights, 200, PAGE, 4, 64, compile=compile)
+    for row, length in enumerate(lengths):
+        kv.allocate(row, length)
+        backend.prefill(PrefillBatch([PrefillChunk(row, tokens[:length], 0)], kv.block_tables, kv.version,
+                                     kv.high_water))
+    return kv, backend
+
+
+def decode(kv, backend, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    rows = list(range(len(positions)))
+    for row, pos in zip(rows, positions):
+        kv.evict_behind_window(row, pos)
+        kv.allocate(row, pos + 1)
+    batch = DecodeBatch(rows, [tokens[p] for p in positions], positions, [], False, True, kv.block_tables,
+                        kv.version, kv.high_water)
+    return backend.decode(batch).logits
+
+
+def test_compile_follows_the_argument_then_the_environment_and_is_off_on_the_cpu(tiny, monkeypatch):
+    config, weights = tiny
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("NORTHCODE_TORCH_COMPILE", raising=False)
+    assert not compile_requested(None, cpu)
+    assert TorchBackend(config, weights, 16, PAGE, 2, 8).compiled is None
+    assert compile_requested(True, cpu) and not compile_requested(False, cuda)
+    monkeypatch.setenv("NORTHCODE_TORCH_COMPILE", "1")
+    assert compile_requested(None, cpu) and not compile_requested(False, cpu)
+    assert isinstance(TorchBackend(config, weights, 16, PAGE, 2, 8).compiled, CompiledDecode)
+    monkeypatch.setenv("NORTHCODE_TORCH_COMPILE", "0")
+    assert not compile_requested(None, cuda)
+    monkeypatch.setenv("NORTHCODE_TORCH_COMPILE", "yes")
+    with pytest.raises(ValueError, match="NORTHCODE_TORCH_COMPILE"):
+        compile_requested(None, cpu)
+
+
+def test_a_failing_compile_warns_once_and_the_eager_step_decodes(tiny, monkeypatch, caplog):
+    config, weights = tiny
+    tokens = torch.randint(0, config.vocab_size, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    kv, eager = prefilled(config, weights, [40], tokens, compile=False)
+    want = [decode(kv, eager, tokens, [pos])[0] for pos in (40, 41)]
+
+    def broken(self, batch):
+        raise RuntimeError("no working triton\nsecond line")
+
+    monkeypatch.setattr(CompiledDecode, "compile_bucket", broken)
+    kv, backend = prefilled(config, weights, [40], tokens, compile=True)
+    with caplog.at_level(logging.WARNING, logger="northcode.torch_backend.backend"):
+        got = [decode(kv, backend, tokens, [pos])[0] for pos in (40, 41)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert backend.compiled is None and backend.compile_failure == "RuntimeError: no working triton"
+    assert len([r for r in caplog.records if "torch.compile" in r.getMessage()]) == 1
+
+
+def test_the_warm_up_check_refuses_a_step_that_disagrees_with_the_eager_step(tiny, monkeypatch):
+    """The compiled functions replaced by a wrong layer (run as plain Python, no compile): the check at
+    warm-up catches it, the backend decodes with the eager step, and the result is the eager one."""
+    config, weights = tiny
+
+    def wrong_layer(x, h, *args):
+        return x + 1.0, h
+
+    monkeypatch.setattr(CompiledDecode, "functions",
+                        lambda self, batch: (compiled_step.prepare_step, wrong_layer, compiled_step.head_step))
+    backend = TorchBackend(config, weights, 64, PAGE, 2, 8, compile=True)
+    with pytest.raises(CompileCheckError, match="layer 0"):
+        backend.compiled.compile_bucket(2)
+    backend.warm_up()
+    assert backend.compiled is None and backend.compile_failure.startswith("CompileCheckError: compiled layer 0")
+
+
+@pytest.mark.skipif(CXX is None, reason="inductor's CPU code needs a C++ compiler")
+def test_the_compiled_step_equals_the_eager_step_on_the_cpu(tiny):
+    """fp32, 3 rows in the bucket of 4 (one padded row), 40 steps from ragged lengths: every row crosses page
+    boundaries and the 32-token window; the compiled step (one compile for the bucket, ~40 s cold on 2 cores)
+    gives the eager step's logits and K/V to fp32 rounding, and no step after the first compiles anything."""
+    from torch._dynamo.utils import counters
+
+    config, weights = tiny
+    tokens = torch.randint(0, config.vocab_size, (120,), generator=torch.Generator().manual_seed(5)).tolist()
+    lengths = [45, 14, 1]
+    kv_eager, eager = prefilled(config, weights, lengths, tokens, compile=False)
+    kv, backend = prefilled(config, weights, lengths, tokens, compile=True)
+    graphs = None
+    for step in range(40):
+        positions = [n + step for n in lengths]
+        want = decode(kv_eager, eager, tokens, positions)
+        torch.testing.assert_close(decode(kv, backend, tokens, positions), want, atol=1e-4, rtol=1e-4)
+        graphs = graphs or counters["stats"]["unique_graphs"]  # after the first step's compile
+    assert backend.compile_failure is None and list(backend.compiled.ready) == [4]
+    assert counters["stats"]["unique_graphs"] == graphs  # every later context ran the same graphs
+    torch.testing.assert_close(backend.kv_pool[:, :-1], eager.kv_pool[:, :-1], atol=1e-5, rtol=1e-5)
