@@ -16,7 +16,7 @@ import torch
 from northcode.config import ModelConfig
 from northcode.megakernel.kernel import (TASK_WORDS, VARIANTS, WAVE_ORDERS, Schedule, TaskType, attention_splits,
                                          build_schedule, flatten, make_task, place_waves)
-from northcode.megakernel.tasks import _Counters
+from northcode.megakernel.tasks import LOCAL_NORM, LOCAL_REUSE, _Counters
 from northcode.model.synthetic import preset_config
 
 
@@ -75,6 +75,14 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
             if t[0] == TaskType.ATTN and t[7] > 0:
                 arrivals.setdefault(t[7] - 1, []).append(t[5])
         assert bool(arrivals) == v.fused_combine
+        starts = schedule.task_start.tolist()  # local norm: a QKV task that reuses h follows one of its layer
+        for block in range(blocks):
+            mine = tasks[starts[block]:starts[block + 1]]
+            for before, t in zip(mine, mine[1:]):
+                if t[0] == TaskType.QKV and t[5] & LOCAL_REUSE:
+                    assert before[0] == TaskType.QKV and before[1] == t[1], (block, before[:6], t[:6])
+        norming = [t for t in tasks if t[0] == TaskType.QKV and t[5] & (LOCAL_NORM | LOCAL_REUSE)]
+        assert bool(norming) == v.local_norm
         for counter, splits_seen in arrivals.items():
             assert len(splits_seen) == splits_seen[0] and counter not in counters, (counter, splits_seen)
         assert max(max(t[8], t[9], t[12], t[7] - 1 if t[0] == TaskType.ATTN else -1) for t in tasks) < schedule.num_counters

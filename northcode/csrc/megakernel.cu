@@ -477,67 +477,118 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
 }
 
 // Local norm (sparse layers when the task lists say so: QKV arg3, ROUTER arg2; bit 1 on): the task
-// normalises the residual itself into shared memory, one warp per row, instead of waiting for a NORM task:
-// one L2 round trip instead of a task hop (the NORM's loads, its store fence, the counter, the h loads).
-// Same arithmetic as task_norm (sums in another order). Bit 2: also write the rounded residual back into
-// x (and trace_x): one QKV task does; bit 4: also write h to global memory for the MoE up tiles: one router
-// task does. The lists order these writes before any task that adds into x or reads h.
-enum LocalNorm : int { LOCAL_NORM = 1, LOCAL_WRITE_X = 2, LOCAL_WRITE_H = 4 };
-static_assert(kHidden % 128 == 0, "local norm: float4 per lane");
-__device__ void norm_rows_local(const Params& p, int layer, int how, bf16* h_s) {
-  constexpr int kPer = kHidden / 128;  // float4s per lane
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// normalises the residual itself into shared memory instead of waiting for a NORM task: one L2 round trip
+// (x and the norm weight together) instead of a task hop (the NORM's loads, its store fence, the counter,
+// the h loads). Same arithmetic as task_norm (sums in another order). Bit 2: also write the rounded
+// residual back into x (and trace_x): one QKV task does; bit 4: also write h to global memory for the MoE
+// up tiles: one router task does; bit 8 (instead of 1): h is already in shared memory (this block's previous
+// task was a QKV task of the layer). The lists order these writes before any task that adds into x or reads h.
+enum LocalNorm : int { LOCAL_NORM = 1, LOCAL_WRITE_X = 2, LOCAL_WRITE_H = 4, LOCAL_REUSE = 8 };
+static_assert(kHidden % 8 == 0, "local norm: 8 elements a thread");
+__device__ __forceinline__ void unpack8(uint4 u, float (&f)[8]) {
+  const bf16* b = reinterpret_cast<const bf16*>(&u);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) f[k] = to_f(b[k]);
+}
+
+// Block-wide sums of vals[0..n) (n <= 16) through red (>= kWarps * 16 floats); every thread gets them.
+__device__ void block_sums16(float (&vals)[16], int n, float* red) {
+#pragma unroll
+  for (int k = 0; k < 16; ++k)
+    if (k < n) vals[k] = warp_sum(vals[k]);
+  __syncthreads();  // red's previous users are done
+  if ((threadIdx.x & 31) == 0)
+    for (int k = 0; k < n; ++k) red[(threadIdx.x >> 5) * 16 + k] = vals[k];
+  __syncthreads();
+  for (int k = 0; k < n; ++k) {
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += red[w * 16 + k];
+    vals[k] = total;
+  }
+}
+
+__device__ void norm_rows_local(const Params& p, int layer, int how, bf16* h_s, float* red) {
   const bf16* weight = layer_ptr(p, layer, LP_NORM);
-  for (int b = warp; b < p.batch_size; b += kWarps) {
-    float* xr = p.x + (size_t)b * kHidden;
-    bf16* hr = h_s + (size_t)b * kHidden;  // first the rounded residual (exact in bf16), then h in its place
-    float4 v[kPer];
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(xr) + lane + 32 * j);  // one round trip
-    float sum = 0.f, sq = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const bf16 r[4] = {__float2bfloat16_rn(v[j].x), __float2bfloat16_rn(v[j].y), __float2bfloat16_rn(v[j].z),
-                         __float2bfloat16_rn(v[j].w)};
-      *reinterpret_cast<uint2*>(hr + 4 * (lane + 32 * j)) = *reinterpret_cast<const uint2*>(r);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) sum += to_f(r[k]), sq += to_f(r[k]) * to_f(r[k]);
+  const int e = 8 * threadIdx.x, batch = p.batch_size;  // this thread's 8 elements of every row
+  const bool mine = e < kHidden;
+  static_assert(8 * kThreads >= kHidden, "local norm: one pass of 8 elements a thread");
+  uint4 w = make_uint4(0, 0, 0, 0);
+  float* xs = reinterpret_cast<float*>(h_s + (size_t)kMaxBatch * kHidden);  // [8][H] fp32 staging after h
+  if (mine) {  // every load of the norm in one round trip: x by cp.async (no registers held), the weight
+    for (int b = 0; b < batch; ++b) {
+      cp_async16(xs + (size_t)b * kHidden + e, p.x + (size_t)b * kHidden + e);
+      cp_async16(xs + (size_t)b * kHidden + e + 4, p.x + (size_t)b * kHidden + e + 4);
     }
+    asm volatile("cp.async.commit_group;");
+    w = *reinterpret_cast<const uint4*>(weight + e);
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+  }
+  float sums[16];  // [b]: sum, [8 + b]: sum of squares
+#pragma unroll
+  for (int k = 0; k < 16; ++k) sums[k] = 0.f;
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) {
+    if (b >= batch || !mine) continue;
+    const float4 lo = *reinterpret_cast<const float4*>(xs + (size_t)b * kHidden + e);  // this thread's own copy
+    const float4 hi = *reinterpret_cast<const float4*>(xs + (size_t)b * kHidden + e + 4);
+    const float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    bf16 r[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      r[k] = __float2bfloat16_rn(f[k]);
+      sums[b] += to_f(r[k]), sums[8 + b] += to_f(r[k]) * to_f(r[k]);
+    }
+    *reinterpret_cast<uint4*>(h_s + (size_t)b * kHidden + e) = *reinterpret_cast<const uint4*>(r);  // the rounded x
+  }
 #if NC_RMS_NORM
-    const float mean = 0.f, inv = 1.0f / sqrtf(warp_sum(sq) / kHidden + p.norm_eps);
+#pragma unroll
+  for (int b = 0; b < 8; ++b) sums[b] = sums[8 + b], sums[8 + b] = 0.f;  // [b]: sum of squares, [8 + b]: mean 0
+  block_sums16(sums, 8, red);
 #else
-    const float mean = warp_sum(sum) / kHidden;
-    float var = 0.f;  // sum of (x - mean)^2, as task_norm (not sq / H - mean^2: no cancellation)
+  block_sums16(sums, 8, red);  // sums[b]: sum
 #pragma unroll
-    for (int j = 0; j < kPer; ++j)
+  for (int b = 0; b < kMaxBatch; ++b) {  // [8 + b]: the mean; [b]: sum of (x - mean)^2, as task_norm
+    sums[8 + b] = sums[b] / kHidden;
+    sums[b] = 0.f;
+    if (b < batch && mine) {
+      float f[8];
+      unpack8(*reinterpret_cast<const uint4*>(h_s + (size_t)b * kHidden + e), f);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float d = to_f(hr[4 * (lane + 32 * j) + k]) - mean;
-        var += d * d;
-      }
-    const float inv = 1.0f / sqrtf(warp_sum(var) / kHidden + p.norm_eps);
+      for (int k = 0; k < 8; ++k) sums[b] += (f[k] - sums[8 + b]) * (f[k] - sums[8 + b]);
+    }
+  }
+  block_sums16(sums, 8, red);
 #endif
-    float* trace = p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + b) * kHidden : nullptr;
+  if (mine) {
+    float wf[8];
+    unpack8(w, wf);
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = 4 * (lane + 32 * j);
-      float in[4];
-      bf16 out[4];
+    for (int b = 0; b < kMaxBatch; ++b) {
+      if (b >= batch) continue;
+      bf16* hr = h_s + (size_t)b * kHidden + e;
+      float f[8];
+      unpack8(*reinterpret_cast<const uint4*>(hr), f);
+      bf16 out[8];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        in[k] = to_f(hr[i + k]);
+      const float mean = sums[8 + b], inv = 1.0f / sqrtf(sums[b] / kHidden + p.norm_eps);
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
 #if NC_RMS_NORM
-        out[k] = __float2bfloat16_rn(to_f(weight[i + k]) * bf16_round(in[k] * inv));
+        out[k] = __float2bfloat16_rn(wf[k] * bf16_round(f[k] * inv));
 #else
-        out[k] = __float2bfloat16_rn(to_f(weight[i + k]) * ((in[k] - mean) * inv));
+        out[k] = __float2bfloat16_rn(wf[k] * ((f[k] - mean) * inv));
 #endif
-      }
-      *reinterpret_cast<uint2*>(hr + i) = *reinterpret_cast<const uint2*>(out);
-      if (how & LOCAL_WRITE_H) *reinterpret_cast<uint2*>(p.h + (size_t)b * kHidden + i) = *reinterpret_cast<const uint2*>(out);
+      *reinterpret_cast<uint4*>(hr) = *reinterpret_cast<const uint4*>(out);
+      if (how & LOCAL_WRITE_H) *reinterpret_cast<uint4*>(p.h + (size_t)b * kHidden + e) = *reinterpret_cast<const uint4*>(out);
       if (how & LOCAL_WRITE_X) {
-        const float4 rounded = make_float4(in[0], in[1], in[2], in[3]);
-        reinterpret_cast<float4*>(xr)[lane + 32 * j] = rounded;
-        if (trace) reinterpret_cast<float4*>(trace)[lane + 32 * j] = rounded;
+        float* xr = p.x + (size_t)b * kHidden + e;
+        float* trace = p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + b) * kHidden + e : nullptr;
+        reinterpret_cast<float4*>(xr)[0] = make_float4(f[0], f[1], f[2], f[3]);
+        reinterpret_cast<float4*>(xr)[1] = make_float4(f[4], f[5], f[6], f[7]);
+        if (trace) {
+          reinterpret_cast<float4*>(trace)[0] = make_float4(f[0], f[1], f[2], f[3]);
+          reinterpret_cast<float4*>(trace)[1] = make_float4(f[4], f[5], f[6], f[7]);
+        }
       }
     }
   }
@@ -607,9 +658,9 @@ __device__ void qkv_tiles(const Params& p, const Task& t, GemmSmem& s, const bf1
 
 __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  if (t.arg[3] & LOCAL_NORM) {
+  if (t.arg[3] & (LOCAL_NORM | LOCAL_REUSE)) {
     bf16* h = reinterpret_cast<bf16*>(smem + kLocalHOffset);
-    norm_rows_local(p, t.layer, t.arg[3], h);
+    if (t.arg[3] & LOCAL_NORM) norm_rows_local(p, t.layer, t.arg[3], h, s.red);
     qkv_tiles<true>(p, t, s, h);
   } else {
     qkv_tiles<false>(p, t, s, p.h);
@@ -919,7 +970,7 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const bool local = t.arg[2] & LOCAL_NORM;  // arg2: LocalNorm bits
   bf16* h_local = reinterpret_cast<bf16*>(smem + kLocalHOffset);
-  if (local) norm_rows_local(p, t.layer, t.arg[2], h_local);
+  if (local) norm_rows_local(p, t.layer, t.arg[2], h_local, s.red);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
@@ -1457,7 +1508,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
 constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
-static_assert(kLocalHOffset + (size_t)kMaxBatch * kHidden * 2 <= kBaseSmemBytes, "a local norm's h fits every launch");
+static_assert(kLocalHOffset + (size_t)kMaxBatch * kHidden * (2 + 4) <= kBaseSmemBytes, "a local norm's h and x fit every launch");
 
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";

@@ -23,7 +23,7 @@ import torch
 from northcode.config import ModelConfig
 
 MAX_SPLITS = 32  # NC_MAX_SPLITS: attention splits per (row, KV head)
-LOCAL_NORM, LOCAL_WRITE_X, LOCAL_WRITE_H = 1, 2, 4  # LocalNorm bits of QKV arg3 / ROUTER arg2 (csrc/megakernel.cu)
+LOCAL_NORM, LOCAL_WRITE_X, LOCAL_WRITE_H, LOCAL_REUSE = 1, 2, 4, 8  # LocalNorm bits: QKV arg3 / ROUTER arg2 (.cu)
 PAGE_SIZE = 64
 TASK_WORDS = 16
 # Where a sparse layer's MoE drains sit relative to attention and its tail (COMBINE, OPROJ) in every list:
@@ -155,6 +155,16 @@ class _WaveMaker:
     def arange(self, n: int) -> torch.Tensor:
         return self._aranges.setdefault(n, torch.arange(n))
 
+    def local_norm_flags(self, n: int, blocks: int) -> torch.Tensor:
+        """int64 [n]: a local-norm QKV wave's arg3 over `blocks` blocks: task i < blocks is the first on its block
+        (LOCAL_NORM; task 0 also writes x back), the others reuse the h in shared memory (LOCAL_REUSE)."""
+        key = (n, -blocks)
+        if key not in self._firsts:
+            flags = torch.where(torch.arange(n) < blocks, LOCAL_NORM, LOCAL_REUSE)
+            flags[0] |= LOCAL_WRITE_X
+            self._firsts[key] = flags
+        return self._firsts[key]
+
     def first_only(self, n: int, value: int) -> torch.Tensor:
         """int64 [n]: value at index 0, zero elsewhere (marks the one task of a wave with an extra job)."""
         if (n, value) not in self._firsts:
@@ -189,20 +199,22 @@ class _WaveMaker:
         return _WaveSpec(mode, row, n, self._patterns[key][0])
 
 
-def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, ready: tuple, local_norm: bool,
+def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, ready: tuple, local_norm: int,
                      num_splits: int, fused_combine: bool) -> tuple[list, tuple[int, int], tuple]:
     """One layer's QKV, ATTN, COMBINE and OPROJ waves (COMBINE None when fused: the split of a (row, KV head)
     that ends last merges them, ATTN arg5 = 1 + its arrival counter); also allocates the layer's MLP counter
     (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order. ready: what
     QKV waits on (the norm, or with local_norm the last layer's o_proj and MLP: each QKV task normalises x
-    itself, the first writing the rounded x back). Also returns the wait that means "every QKV task is done"
+    itself, the first writing the rounded x back; local_norm is then the number of blocks the QKV wave uses: a
+    block's later QKV tasks reuse the h its first one left in shared memory). Also returns the wait that means
+    "every QKV task is done"
     (a local norm's readers of x: nothing may add into x before), or () without a local norm."""
     batch, kvh = m.batch, m.kvh
     n_qkv = len(m.qkv_tile)
     if local_norm:  # one counter for all QKV tasks (attention waits for all groups; the tail waits for them too)
         qkv_all = counters.alloc()
         qkv = m.wave("plain", TaskType.QKV, layer, n_qkv, ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer)),
-                                                           (LOCAL_NORM, m.first_only(n_qkv, LOCAL_WRITE_X))), ready, qkv_all)
+                                                           (0, m.local_norm_flags(n_qkv, local_norm))), ready, qkv_all)
         attn_waits, all_qkv = ((qkv_all, n_qkv),), ((qkv_all, n_qkv),)
     else:
         qkv_done = counters.alloc(kvh)
@@ -235,14 +247,17 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on. A local
     norm applies to sparse layers after the first (layer 0 embeds; dense layers keep their NORM task)."""
     local = local_norm and layer > 0 and not c.is_dense(layer)
+    router_tiles = math.ceil(c.num_experts / 16)
+    # the blocks the QKV wave may use: all but the router's and top-k's ("apart" waves), if that leaves any
+    qkv_blocks = num_blocks - (router_tiles + 1) if router_tiles + 1 < num_blocks else num_blocks
     if local:
         norm, ready = None, previous
     else:
         norm_done = counters.alloc()
         norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
         ready = ((norm_done, m.batch),)
-    (qkv, attn, combine, oproj), (oproj_done, mlp_done), all_qkv = _attention_waves(c, layer, m, counters, ready, local,
-                                                                                    num_splits, fused_combine)
+    (qkv, attn, combine, oproj), (oproj_done, mlp_done), all_qkv = _attention_waves(
+        c, layer, m, counters, ready, qkv_blocks if local else 0, num_splits, fused_combine)
     oproj_tiles = oproj.n
     if c.is_dense(layer):
         up_done = counters.alloc()
@@ -254,7 +269,6 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
         return [w for w in waves if w is not None], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
-    router_tiles = math.ceil(c.num_experts / 16)
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
     # with a local norm each router task normalises x itself, the first writing h for the up tiles
     router_args = ((0, m.arange(router_tiles)), 1) + (((LOCAL_NORM, m.first_only(router_tiles, LOCAL_WRITE_H)),)
