@@ -16,7 +16,7 @@ import torch
 from northcode.config import ModelConfig
 from northcode.megakernel.kernel import (TASK_WORDS, VARIANTS, WAVE_ORDERS, Schedule, TaskType, attention_splits,
                                          build_schedule, flatten, make_task, place_waves)
-from northcode.megakernel.tasks import LOCAL_NORM, LOCAL_REUSE, _Counters
+from northcode.megakernel.tasks import _Counters
 from northcode.model.synthetic import preset_config
 
 
@@ -59,8 +59,7 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
     v = VARIANTS[variant]
     for blocks, context in ((132, 8192), (7, 100)):
         splits = attention_splits(config, batch, blocks, context)
-        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles, v.fused_combine,
-                                  v.local_norm)
+        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles)
         assert schedule.tasks.shape[1] == TASK_WORDS
         counters, _ = simulate(schedule)
         tasks = schedule.tasks.tolist()
@@ -69,23 +68,8 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
                 if idx >= 0:
                     assert counters.get(idx, 0) == target, f"{TaskType(t[0]).name} waits for {target}, gets {counters.get(idx, 0)}"
         kinds = {TaskType(t[0]) for t in tasks}
-        assert kinds == set(TaskType) - {TaskType.STOP} - ({TaskType.COMBINE} if v.fused_combine else set())
-        arrivals: dict[int, list[int]] = {}  # fused combine: every (row, head) counter must see exactly its splits
-        for t in tasks:
-            if t[0] == TaskType.ATTN and t[7] > 0:
-                arrivals.setdefault(t[7] - 1, []).append(t[5])
-        assert bool(arrivals) == v.fused_combine
-        starts = schedule.task_start.tolist()  # local norm: a QKV task that reuses h follows one of its layer
-        for block in range(blocks):
-            mine = tasks[starts[block]:starts[block + 1]]
-            for before, t in zip(mine, mine[1:]):
-                if t[0] == TaskType.QKV and t[5] & LOCAL_REUSE:
-                    assert before[0] == TaskType.QKV and before[1] == t[1], (block, before[:6], t[:6])
-        norming = [t for t in tasks if t[0] == TaskType.QKV and t[5] & (LOCAL_NORM | LOCAL_REUSE)]
-        assert bool(norming) == v.local_norm
-        for counter, splits_seen in arrivals.items():
-            assert len(splits_seen) == splits_seen[0] and counter not in counters, (counter, splits_seen)
-        assert max(max(t[8], t[9], t[12], t[7] - 1 if t[0] == TaskType.ATTN else -1) for t in tasks) < schedule.num_counters
+        assert kinds == set(TaskType) - {TaskType.STOP}
+        assert max(max(t[8], t[9], t[12]) for t in tasks) < schedule.num_counters
 
 
 def test_splits_cover_the_sms_but_never_exceed_pages() -> None:
@@ -148,7 +132,7 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
 
 
 def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
-                     qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, fused: bool = False) -> tuple:
+                     qkv_tiles: int, counters: _Counters, previous: tuple, waves: list) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
@@ -168,24 +152,18 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
     attn_done, combine_done = counters.alloc(batch * kvh), counters.alloc()
     oproj_done, mlp_done = counters.alloc(), counters.alloc()
     window = c.window(layer) or 0
-    if fused:  # arg5: 1 + the (row, head)'s arrival counter; every split signals combine_done
-        attn = [make_task(TaskType.ATTN, layer, (b, g, s, num_splits, window, 1 + attn_done + b * kvh + g),
-                          ((qkv_done + g, per_group[g]),), combine_done)
-                for b in range(batch) for s in range(num_splits) for g in range(kvh)]
-        combine = []
-    else:
-        attn = [make_task(TaskType.ATTN, layer, (b, g, s, num_splits, window), ((qkv_done + g, per_group[g]),),
-                          attn_done + b * kvh + g) for b in range(batch) for s in range(num_splits) for g in range(kvh)]
-        combine = [make_task(TaskType.COMBINE, layer, (b, g, num_splits), ((attn_done + b * kvh + g, num_splits),),
-                             combine_done) for b in range(batch) for g in range(kvh)]
-    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, len(attn) if fused else batch * kvh),), oproj_done)
+    attn = [make_task(TaskType.ATTN, layer, (b, g, s, num_splits, window), ((qkv_done + g, per_group[g]),),
+                      attn_done + b * kvh + g) for b in range(batch) for s in range(num_splits) for g in range(kvh)]
+    combine = [make_task(TaskType.COMBINE, layer, (b, g, num_splits), ((attn_done + b * kvh + g, num_splits),),
+                         combine_done) for b in range(batch) for g in range(kvh)]
+    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),), oproj_done)
              for t in range(c.hidden_size // 16)]
     if c.is_dense(layer):
         up_done = counters.alloc()
         up_tiles, down_tiles = c.dense_intermediate_size // 16, c.hidden_size // 32
         waves.append([make_task(TaskType.DENSE_UP, layer, (t, 1), ((norm_done, batch),), up_done) for t in range(up_tiles)])
-        waves += [w for w in (attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),), mlp_done)
-                                     for t in range(down_tiles)], combine, oproj) if w]
+        waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),), mlp_done)
+                         for t in range(down_tiles)], combine, oproj]
         return (oproj_done, len(oproj)), (mlp_done, down_tiles)
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
@@ -195,19 +173,17 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
                                 ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
     up = ("each", make_task(TaskType.MOE_UP, layer, (0, slot_done), ((topk_done, 1),)))
     down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
-    waves += [w for w in {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
-                          "tail-early": [attn, combine, up, oproj, down],
-                          "oproj-before-down": [attn, up, combine, oproj, down]}[order] if w]
+    waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
+              "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return (oproj_done, len(oproj)), (mlp_done, num_blocks)
 
 
 def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                              order: str = "attention-first", qkv_tiles: int = 1, fused: bool = False) -> Schedule:
+                              order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
-        previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous,
-                                    waves, fused)
+        previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -247,13 +223,13 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
         for blocks in (132, 7):
             for context in (10, 100, 300, 8192):
                 splits = attention_splits(config, batch, blocks, context)
-                for qkv_tiles, fused in ((1, False), (2, False), (2, True)):
-                    if (batch, blocks, splits, qkv_tiles, fused) in seen:
+                for qkv_tiles in (1, 2):
+                    if (batch, blocks, splits, qkv_tiles) in seen:
                         continue
-                    seen.add((batch, blocks, splits, qkv_tiles, fused))
-                    where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}, fused {fused}"
-                    _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, fused),
-                                 _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, fused), where)
+                    seen.add((batch, blocks, splits, qkv_tiles))
+                    where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
+                    _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles),
+                                 _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles), where)
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:

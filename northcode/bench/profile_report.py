@@ -33,15 +33,13 @@ def block_of(starts: list[int]) -> list[int]:
 
 
 def layer_tasks(record: dict, layer: int) -> tuple[list[int], float]:
-    """Indices of the layer's tasks and its origin (ns: the first NORM's dependencies met; with a local norm,
-    which has no NORM task in sparse layers, the first QKV or router task's)."""
+    """Indices of the layer's tasks and its origin (ns: the first NORM's dependencies met)."""
     tasks, times = record["tasks"], record["times"]
     picked = [i for i, t in enumerate(tasks) if t[LAYER] == layer and t[TYPE] not in (TaskType.LM_HEAD, TaskType.SAMPLE)]
-    firsts = (TaskType.NORM,) if any(tasks[i][TYPE] == TaskType.NORM for i in picked) else (TaskType.QKV, TaskType.ROUTER)
-    starts = [times[i][1] for i in picked if tasks[i][TYPE] in firsts]
-    if not starts:
-        raise ValueError(f"layer {layer} has no NORM, QKV or router task in this record")
-    return picked, float(min(starts))
+    norms = [times[i][1] for i in picked if tasks[i][TYPE] == TaskType.NORM]
+    if not norms:
+        raise ValueError(f"layer {layer} has no NORM task in this record")
+    return picked, float(min(norms))
 
 
 def phases(record: dict, picked: list[int], origin: float) -> list[str]:
@@ -87,9 +85,8 @@ def critical_chain(record: dict, picked: list[int], origin: float) -> list[str]:
         chain.append((current, how))
         t = tasks[current]
         start, met = times[current][0], times[current][1]
-        if t[TYPE] in (TaskType.NORM, TaskType.QKV, TaskType.ROUTER) and t[LAYER] == tasks[picked[0]][LAYER] \
-                and (t[TYPE] == TaskType.NORM or not any(tasks[i][TYPE] == TaskType.NORM for i in picked)):
-            break  # the layer's first hop: its NORM, or a local norm's QKV / router task
+        if t[TYPE] == TaskType.NORM and t[LAYER] == tasks[picked[0]][LAYER]:
+            break
         waits = [c for c in (t[WAIT0], t[WAIT1]) if c >= 0]
         if not waits or met - start < 500:  # ready when it started: the block was busy with its previous task
             if current - 1 < record["starts"][owner[current]]:

@@ -78,11 +78,11 @@ static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
 enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
-  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope, arg3 LocalNorm bits: q, and K/V into the pages
-  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none), arg5 fused combine
+  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
+  TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles, arg2 LocalNorm bits: router logits
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
   TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
   TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
@@ -346,7 +346,7 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
-template <int NT, bool kActShared = false>  // kActShared: act is in shared memory (a local norm's h)
+template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
                           const bf16* act, int act_stride, int batch, float* red, float* out) {
   constexpr int U = 4;  // k-chunks in flight per lane (more spills registers at 255)
@@ -377,8 +377,7 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
           wb[n][u] = load_weight16(w_hi[n] + c * 32);
         }
-        xa[u] = !has_row ? make_uint4(0, 0, 0, 0)
-              : kActShared ? *reinterpret_cast<const uint4*>(a_row + c * 32) : load_act16(a_row + c * 32);
+        xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
@@ -409,7 +408,6 @@ struct GemmSmem {
   float out[2 * 128];
   ArgMax best[128];
 };
-constexpr size_t kLocalHOffset = (sizeof(GemmSmem) + 15) / 16 * 16;  // a local norm's h [8][H] bf16 follows GemmSmem
 
 __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int which) {
   return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
@@ -476,125 +474,6 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
 #endif
 }
 
-// Local norm (sparse layers when the task lists say so: QKV arg3, ROUTER arg2; bit 1 on): the task
-// normalises the residual itself into shared memory instead of waiting for a NORM task: one L2 round trip
-// (x and the norm weight together) instead of a task hop (the NORM's loads, its store fence, the counter,
-// the h loads). Same arithmetic as task_norm (sums in another order). Bit 2: also write the rounded
-// residual back into x (and trace_x): one QKV task does; bit 4: also write h to global memory for the MoE
-// up tiles: one router task does; bit 8 (instead of 1): h is already in shared memory (this block's previous
-// task was a QKV task of the layer). The lists order these writes before any task that adds into x or reads h.
-enum LocalNorm : int { LOCAL_NORM = 1, LOCAL_WRITE_X = 2, LOCAL_WRITE_H = 4, LOCAL_REUSE = 8 };
-static_assert(kHidden % 8 == 0, "local norm: 8 elements a thread");
-__device__ __forceinline__ void unpack8(uint4 u, float (&f)[8]) {
-  const bf16* b = reinterpret_cast<const bf16*>(&u);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) f[k] = to_f(b[k]);
-}
-
-// Block-wide sums of vals[0..n) (n <= 16) through red (>= kWarps * 16 floats); every thread gets them.
-__device__ void block_sums16(float (&vals)[16], int n, float* red) {
-#pragma unroll
-  for (int k = 0; k < 16; ++k)
-    if (k < n) vals[k] = warp_sum(vals[k]);
-  __syncthreads();  // red's previous users are done
-  if ((threadIdx.x & 31) == 0)
-    for (int k = 0; k < n; ++k) red[(threadIdx.x >> 5) * 16 + k] = vals[k];
-  __syncthreads();
-  for (int k = 0; k < n; ++k) {
-    float total = 0.f;
-    for (int w = 0; w < kWarps; ++w) total += red[w * 16 + k];
-    vals[k] = total;
-  }
-}
-
-__device__ void norm_rows_local(const Params& p, int layer, int how, bf16* h_s, float* red) {
-  const bf16* weight = layer_ptr(p, layer, LP_NORM);
-  const int e = 8 * threadIdx.x, batch = p.batch_size;  // this thread's 8 elements of every row
-  const bool mine = e < kHidden;
-  static_assert(8 * kThreads >= kHidden, "local norm: one pass of 8 elements a thread");
-  uint4 w = make_uint4(0, 0, 0, 0);
-  float* xs = reinterpret_cast<float*>(h_s + (size_t)kMaxBatch * kHidden);  // [8][H] fp32 staging after h
-  if (mine) {  // every load of the norm in one round trip: x by cp.async (no registers held), the weight
-    for (int b = 0; b < batch; ++b) {
-      cp_async16(xs + (size_t)b * kHidden + e, p.x + (size_t)b * kHidden + e);
-      cp_async16(xs + (size_t)b * kHidden + e + 4, p.x + (size_t)b * kHidden + e + 4);
-    }
-    asm volatile("cp.async.commit_group;");
-    w = *reinterpret_cast<const uint4*>(weight + e);
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-  }
-  float sums[16];  // [b]: sum, [8 + b]: sum of squares
-#pragma unroll
-  for (int k = 0; k < 16; ++k) sums[k] = 0.f;
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {
-    if (b >= batch || !mine) continue;
-    const float4 lo = *reinterpret_cast<const float4*>(xs + (size_t)b * kHidden + e);  // this thread's own copy
-    const float4 hi = *reinterpret_cast<const float4*>(xs + (size_t)b * kHidden + e + 4);
-    const float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    bf16 r[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      r[k] = __float2bfloat16_rn(f[k]);
-      sums[b] += to_f(r[k]), sums[8 + b] += to_f(r[k]) * to_f(r[k]);
-    }
-    *reinterpret_cast<uint4*>(h_s + (size_t)b * kHidden + e) = *reinterpret_cast<const uint4*>(r);  // the rounded x
-  }
-#if NC_RMS_NORM
-#pragma unroll
-  for (int b = 0; b < 8; ++b) sums[b] = sums[8 + b], sums[8 + b] = 0.f;  // [b]: sum of squares, [8 + b]: mean 0
-  block_sums16(sums, 8, red);
-#else
-  block_sums16(sums, 8, red);  // sums[b]: sum
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {  // [8 + b]: the mean; [b]: sum of (x - mean)^2, as task_norm
-    sums[8 + b] = sums[b] / kHidden;
-    sums[b] = 0.f;
-    if (b < batch && mine) {
-      float f[8];
-      unpack8(*reinterpret_cast<const uint4*>(h_s + (size_t)b * kHidden + e), f);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) sums[b] += (f[k] - sums[8 + b]) * (f[k] - sums[8 + b]);
-    }
-  }
-  block_sums16(sums, 8, red);
-#endif
-  if (mine) {
-    float wf[8];
-    unpack8(w, wf);
-#pragma unroll
-    for (int b = 0; b < kMaxBatch; ++b) {
-      if (b >= batch) continue;
-      bf16* hr = h_s + (size_t)b * kHidden + e;
-      float f[8];
-      unpack8(*reinterpret_cast<const uint4*>(hr), f);
-      bf16 out[8];
-#pragma unroll
-      const float mean = sums[8 + b], inv = 1.0f / sqrtf(sums[b] / kHidden + p.norm_eps);
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-#if NC_RMS_NORM
-        out[k] = __float2bfloat16_rn(wf[k] * bf16_round(f[k] * inv));
-#else
-        out[k] = __float2bfloat16_rn(wf[k] * ((f[k] - mean) * inv));
-#endif
-      *reinterpret_cast<uint4*>(hr) = *reinterpret_cast<const uint4*>(out);
-      if (how & LOCAL_WRITE_H) *reinterpret_cast<uint4*>(p.h + (size_t)b * kHidden + e) = *reinterpret_cast<const uint4*>(out);
-      if (how & LOCAL_WRITE_X) {
-        float* xr = p.x + (size_t)b * kHidden + e;
-        float* trace = p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + b) * kHidden + e : nullptr;
-        reinterpret_cast<float4*>(xr)[0] = make_float4(f[0], f[1], f[2], f[3]);
-        reinterpret_cast<float4*>(xr)[1] = make_float4(f[4], f[5], f[6], f[7]);
-        if (trace) {
-          reinterpret_cast<float4*>(trace)[0] = make_float4(f[0], f[1], f[2], f[3]);
-          reinterpret_cast<float4*>(trace)[1] = make_float4(f[4], f[5], f[6], f[7]);
-        }
-      }
-    }
-  }
-  __syncthreads();
-}
-
 // ====  5. Task: QKV  ===========================================================================
 //   16-row tiles of the stacked [q; k; v] projection of h (K = H). Epilogue per (row r, batch b):
 //   round to bf16, GPT-J RoPE on q and k where the layer uses it (pairs 2i, 2i+1 are rows r, r^1 of
@@ -637,33 +516,22 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
                               : layer_ptr(p, layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
 }
 
-template <bool kLocal>  // kLocal: h is this task's own norm of x, in shared memory
-__device__ void qkv_tiles(const Params& p, const Task& t, GemmSmem& s, const bf16* h) {
+__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int end = t.arg[0] + t.arg[1];
   for (int tile = t.arg[0]; tile < end; tile += 2) {  // two tiles per product when the task has them
     if (tile + 1 < end) {
       const bf16* tiles[2] = {qkv_weight_tile(p, t.layer, tile), qkv_weight_tile(p, t.layer, tile + 1)};
       const int valid[2] = {16, 16};
-      mma_tiles<2, kLocal>(tiles, valid, kHidden, h, kHidden, p.batch_size, s.red, s.out);
+      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
-      mma_tiles<1, kLocal>(tiles, valid, kHidden, h, kHidden, p.batch_size, s.red, s.out);
+      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     }
-  }
-}
-
-__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  if (t.arg[3] & (LOCAL_NORM | LOCAL_REUSE)) {
-    bf16* h = reinterpret_cast<bf16*>(smem + kLocalHOffset);
-    if (t.arg[3] & LOCAL_NORM) norm_rows_local(p, t.layer, t.arg[3], h, s.red);
-    qkv_tiles<true>(p, t, s, h);
-  } else {
-    qkv_tiles<false>(p, t, s, p.h);
   }
 }
 
@@ -832,8 +700,6 @@ __device__ __forceinline__ void attn_pv(const AttnSmem& s, int stage, float (&ac
   }
 }
 
-__device__ void combine_if_last(const Params& p, const Task& t, unsigned char* smem);  // section 7
-
 __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
   AttnSmem& s = *reinterpret_cast<AttnSmem*>(smem);
   const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2];
@@ -886,7 +752,6 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
     p.attn_ml[(base * kGroup + threadIdx.x) * 2] = s.m[threadIdx.x];
     p.attn_ml[(base * kGroup + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
   }
-  if (t.arg[5] > 0) combine_if_last(p, t, smem);
 }
 
 // ====  7. Task: COMBINE  =======================================================================
@@ -933,22 +798,6 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
   combine_row(p, t.arg[0], t.arg[1], t.arg[2], reinterpret_cast<GemmSmem*>(smem)->red);
 }
 
-// Fused combine (ATTN arg5 = 1 + the (row, KV head)'s arrival counter; 0: a COMBINE task merges instead): each
-// split counts itself in once its partial is written; the split that arrives last merges them all, so the
-// merge starts when the last split ends, on an SM that is already free, with no task hop in between.
-__device__ void combine_if_last(const Params& p, const Task& t, unsigned char* smem) {
-  __shared__ int last;
-  __syncthreads();  // the block's partial and (m, l) stores are issued
-  if (threadIdx.x == 0) {
-    __threadfence();  // ... and visible before the count (the merging block reads them from L2)
-    last = atomicAdd(p.counters + t.arg[5] - 1, 1u) + 1 == (unsigned)t.arg[3];
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other splits' stores are seen after their counts
-  combine_row(p, t.arg[0], t.arg[1], t.arg[3], reinterpret_cast<GemmSmem*>(smem)->red);
-}
-
 // ====  8. Task: OPROJ  =========================================================================
 //   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
 //   branch adds into the same rows).
@@ -968,16 +817,10 @@ __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) 
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  const bool local = t.arg[2] & LOCAL_NORM;  // arg2: LocalNorm bits
-  bf16* h_local = reinterpret_cast<bf16*>(smem + kLocalHOffset);
-  if (local) norm_rows_local(p, t.layer, t.arg[2], h_local, s.red);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-    if (local)
-      mma_tiles<1, true>(tiles, valid, kHidden, h_local, kHidden, p.batch_size, s.red, s.out);
-    else
-      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
@@ -1508,7 +1351,6 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
 constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
-static_assert(kLocalHOffset + (size_t)kMaxBatch * kHidden * (2 + 4) <= kBaseSmemBytes, "a local norm's h and x fit every launch");
 
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";

@@ -315,8 +315,7 @@ class Megakernel:
         splits = attention_splits(self.config, batch, self.num_blocks, context, v.max_splits)
         key = (batch, splits, v)
         if key not in self._schedules:
-            s = build_schedule(self.config, batch, self.num_blocks, splits, v.wave_order, v.qkv_tiles, v.fused_combine,
-                               v.local_norm)
+            s = build_schedule(self.config, batch, self.num_blocks, splits, v.wave_order, v.qkv_tiles)
             self._schedules[key] = Schedule(to_device(s.tasks, self.device), to_device(s.task_start, self.device),
                                             s.num_counters, s.num_lm_tasks)
         return self._schedules[key]

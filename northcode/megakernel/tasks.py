@@ -23,13 +23,12 @@ import torch
 from northcode.config import ModelConfig
 
 MAX_SPLITS = 32  # NC_MAX_SPLITS: attention splits per (row, KV head)
-LOCAL_NORM, LOCAL_WRITE_X, LOCAL_WRITE_H, LOCAL_REUSE = 1, 2, 4, 8  # LocalNorm bits: QKV arg3 / ROUTER arg2 (.cu)
 PAGE_SIZE = 64
 TASK_WORDS = 16
 # Where a sparse layer's MoE drains sit relative to attention and its tail (COMBINE, OPROJ) in every list:
 # attention-first: ATTN, UP, COMBINE, DOWN, OPROJ; moe-first: UP, ATTN, DOWN, COMBINE, OPROJ;
 # tail-early: ATTN, COMBINE, UP, OPROJ, DOWN (o_proj streams between the up and down phases, not after);
-# oproj-before-down: ATTN, UP, COMBINE, OPROJ, DOWN. A fused combine drops COMBINE from each.
+# oproj-before-down: ATTN, UP, COMBINE, OPROJ, DOWN.
 WAVE_ORDERS = ("attention-first", "moe-first", "tail-early", "oproj-before-down")
 
 
@@ -148,29 +147,11 @@ class _WaveMaker:
         self.heads = torch.arange(batch * self.kvh)  # (row, KV head) pairs: b * kvh + g
         self.head_row, self.head_group = self.heads // self.kvh, self.heads % self.kvh
         self._aranges: dict[int, torch.Tensor] = {}
-        self._firsts: dict[tuple[int, int], torch.Tensor] = {}
         self._attention: dict[int, tuple] = {}
         self._patterns: dict[tuple, tuple] = {}  # (n, (column, id(values))...) -> (pattern, values kept alive)
 
     def arange(self, n: int) -> torch.Tensor:
         return self._aranges.setdefault(n, torch.arange(n))
-
-    def local_norm_flags(self, n: int, blocks: int) -> torch.Tensor:
-        """int64 [n]: a local-norm QKV wave's arg3 over `blocks` blocks: task i < blocks is the first on its block
-        (LOCAL_NORM; task 0 also writes x back), the others reuse the h in shared memory (LOCAL_REUSE)."""
-        key = (n, -blocks)
-        if key not in self._firsts:
-            flags = torch.where(torch.arange(n) < blocks, LOCAL_NORM, LOCAL_REUSE)
-            flags[0] |= LOCAL_WRITE_X
-            self._firsts[key] = flags
-        return self._firsts[key]
-
-    def first_only(self, n: int, value: int) -> torch.Tensor:
-        """int64 [n]: value at index 0, zero elsewhere (marks the one task of a wave with an extra job)."""
-        if (n, value) not in self._firsts:
-            self._firsts[n, value] = torch.zeros(n, dtype=torch.int64)
-            self._firsts[n, value][0] = value
-        return self._firsts[n, value]
 
     def attention(self, num_splits: int) -> tuple[torch.Tensor, ...]:
         """(b, g, s, b * kvh + g, QKV tasks of group g) per ATTN task, ordered b, s, g."""
@@ -199,89 +180,54 @@ class _WaveMaker:
         return _WaveSpec(mode, row, n, self._patterns[key][0])
 
 
-def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, ready: tuple, local_norm: int,
-                     num_splits: int, fused_combine: bool) -> tuple[list, tuple[int, int], tuple]:
-    """One layer's QKV, ATTN, COMBINE and OPROJ waves (COMBINE None when fused: the split of a (row, KV head)
-    that ends last merges them, ATTN arg5 = 1 + its arrival counter); also allocates the layer's MLP counter
-    (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order. ready: what
-    QKV waits on (the norm, or with local_norm the last layer's o_proj and MLP: each QKV task normalises x
-    itself, the first writing the rounded x back; local_norm is then the number of blocks the QKV wave uses: a
-    block's later QKV tasks reuse the h its first one left in shared memory). Also returns the wait that means
-    "every QKV task is done"
-    (a local norm's readers of x: nothing may add into x before), or () without a local norm."""
+def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
+                     num_splits: int) -> tuple[list, tuple[int, int]]:
+    """One layer's QKV, ATTN, COMBINE and OPROJ waves; also allocates the layer's MLP counter (returned with
+    the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order."""
     batch, kvh = m.batch, m.kvh
-    n_qkv = len(m.qkv_tile)
-    if local_norm:  # one counter for all QKV tasks (attention waits for all groups; the tail waits for them too)
-        qkv_all = counters.alloc()
-        qkv = m.wave("plain", TaskType.QKV, layer, n_qkv, ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer)),
-                                                           (0, m.local_norm_flags(n_qkv, local_norm))), ready, qkv_all)
-        attn_waits, all_qkv = ((qkv_all, n_qkv),), ((qkv_all, n_qkv),)
-    else:
-        qkv_done = counters.alloc(kvh)
-        qkv = m.wave("plain", TaskType.QKV, layer, n_qkv, ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer))),
-                     ready, (qkv_done, m.qkv_group))
-        all_qkv = ()
+    qkv_done = counters.alloc(kvh)
+    qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer))),
+                 ((norm_done, batch),), (qkv_done, m.qkv_group))
     attn_done = counters.alloc(batch * kvh)
     combine_done, oproj_done, mlp_done = counters.alloc(), counters.alloc(), counters.alloc()
     b, g, s, head, group_tasks = m.attention(num_splits)
-    window = c.window(layer) or 0
-    if not local_norm:
-        attn_waits = (((qkv_done, g), (0, group_tasks)),)
-    if fused_combine:  # every split signals combine_done after its arrival (the last after merging)
-        attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, window,
-                                                              (attn_done + 1, head)), attn_waits, combine_done)
-        combine, merged = None, len(b)
-    else:
-        attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, window),
-                      attn_waits, (attn_done, head))
-        combine = m.wave("plain", TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
-                         (((attn_done, m.heads), num_splits),), combine_done)
-        merged = batch * kvh
+    attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, c.window(layer) or 0),
+                  (((qkv_done, g), (0, group_tasks)),), (attn_done, head))
+    combine = m.wave("plain", TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
+                     (((attn_done, m.heads), num_splits),), combine_done)
     oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, ((0, m.arange(m.oproj_tiles)), 1),
-                   ((combine_done, merged),), oproj_done)
-    return [qkv, attn, combine, oproj], (oproj_done, mlp_done), all_qkv
+                   ((combine_done, batch * kvh),), oproj_done)
+    return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
 
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
-                 order: str, num_blocks: int, fused_combine: bool, local_norm: bool) -> tuple[list, tuple]:
-    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on. A local
-    norm applies to sparse layers after the first (layer 0 embeds; dense layers keep their NORM task)."""
-    local = local_norm and layer > 0 and not c.is_dense(layer)
-    router_tiles = math.ceil(c.num_experts / 16)
-    # the blocks the QKV wave may use: all but the router's and top-k's ("apart" waves), if that leaves any
-    qkv_blocks = num_blocks - (router_tiles + 1) if router_tiles + 1 < num_blocks else num_blocks
-    if local:
-        norm, ready = None, previous
-    else:
-        norm_done = counters.alloc()
-        norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
-        ready = ((norm_done, m.batch),)
-    (qkv, attn, combine, oproj), (oproj_done, mlp_done), all_qkv = _attention_waves(
-        c, layer, m, counters, ready, qkv_blocks if local else 0, num_splits, fused_combine)
+                 order: str, num_blocks: int) -> tuple[list, tuple]:
+    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on."""
+    norm_done = counters.alloc()
+    norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
+    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits)
     oproj_tiles = oproj.n
     if c.is_dense(layer):
         up_done = counters.alloc()
         up_tiles, down_tiles = c.dense_intermediate_size // 16, c.hidden_size // 32
-        up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, ((0, m.arange(up_tiles)), 1), ready, up_done)
+        up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, ((0, m.arange(up_tiles)), 1), ((norm_done, m.batch),),
+                    up_done)
         down = m.wave("plain", TaskType.DENSE_DOWN, layer, down_tiles, ((0, m.arange(down_tiles)), 1),
                       ((up_done, up_tiles),), mlp_done)
-        waves = [norm, qkv, up, attn, down, combine, oproj]
-        return [w for w in waves if w is not None], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
+        return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
+    router_tiles = math.ceil(c.num_experts / 16)
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
-    # with a local norm each router task normalises x itself, the first writing h for the up tiles
-    router_args = ((0, m.arange(router_tiles)), 1) + (((LOCAL_NORM, m.first_only(router_tiles, LOCAL_WRITE_H)),)
-                                                      if local else ())
-    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args, ready, router_done)
+    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)), 1),
+                    ((norm_done, m.batch),), router_done)
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
     # arg0 unused; arg1: the first "slot done" counter (static shares: claims measured no faster, run 10)
     up = m.wave("each", TaskType.MOE_UP, layer, 1, (0, slot_done), ((topk_done, 1),))
-    # down adds into x: after every reader of x (routers before top-k; QKV tasks: all_qkv with a local norm)
-    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), ((topk_done, 1), *all_qkv), mlp_done)
+    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), ((topk_done, 1),), mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
-    return [w for w in (norm, router, topk, qkv, *tail) if w is not None], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
 
 
 def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context: int,
@@ -307,14 +253,11 @@ def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context
 
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                   order: str = "attention-first", qkv_tiles: int = 1, fused_combine: bool = False,
-                   local_norm: bool = False) -> Schedule:
+                   order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
-    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight); fused_combine: the
-    last attention split of each (row, KV head) merges the splits (no COMBINE wave); local_norm: QKV and router
-    tasks of sparse layers normalise the residual themselves (no NORM wave there). Waves are
+    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight). Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
     place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
@@ -323,8 +266,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
-        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             fused_combine, local_norm)
+        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))
@@ -424,11 +366,9 @@ def summarize_profile(tasks: torch.Tensor, task_start: torch.Tensor, times: torc
 
 def layer_timeline(kinds: list[int], layers: list[int], met: torch.Tensor, done: torch.Tensor, layer: int) -> str:
     """One layer's critical path: per task type, when its first task's dependencies were met and when its
-    last task finished, in us from the layer's first NORM start (QKV or router with a local norm); e.g.
-    "NORM 0.0-1.1 QKV 1.3-8.2 ..."."""
+    last task finished, in us from the layer's first NORM start; e.g. "NORM 0.0-1.1 QKV 1.3-8.2 ..."."""
     picked = [i for i, (k, l) in enumerate(zip(kinds, layers)) if l == layer and k not in (TaskType.LM_HEAD, TaskType.SAMPLE)]
-    firsts = (TaskType.NORM,) if any(kinds[i] == TaskType.NORM for i in picked) else (TaskType.QKV, TaskType.ROUTER)
-    origin = min(float(met[i]) for i in picked if kinds[i] in firsts)  # a local norm's layers have no NORM
+    origin = min(float(met[i]) for i in picked if kinds[i] == TaskType.NORM)
     parts = []
     for kind in sorted({kinds[i] for i in picked}):
         mine = [i for i in picked if kinds[i] == kind]

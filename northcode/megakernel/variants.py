@@ -25,8 +25,6 @@ class Variant:
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
     max_splits: int = 32  # attention splits per (row, KV head) at most (fewer: a smaller combine, longer splits)
-    fused_combine: bool = False  # the last attention split of a (row, KV head) merges them (no COMBINE tasks)
-    local_norm: bool = False  # QKV and router tasks normalise x themselves: no NORM hop in sparse layers
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -40,10 +38,6 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "kv-stages-2": Variant(kv_stages=2),
     "kv-stages-5": Variant(kv_stages=5),
     "oproj-before-down": Variant(wave_order="oproj-before-down"),
-    # runs 15, 17: +10% / +4.6% at B=1 (with a fused combine, tail-early is oproj-before-down)
-    "fused-combine": Variant(fused_combine=True),
-    "fused-oproj-before-down": Variant(fused_combine=True, wave_order="oproj-before-down"),
-    "local-norm": Variant(local_norm=True),  # not yet run on a GPU (day 2)
 }
 
 

@@ -122,47 +122,11 @@ def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int) -
         assert rel_err(cache.v_pool[page, pos % 64], v[b]) < REL_TOL
 
 
-def test_local_norm_in_qkv_and_router_tasks(geometry: str) -> None:
-    """QKV (arg3) and router (arg2) tasks of a sparse layer that normalise x themselves (the local-norm task
-    lists): q, K/V and router logits as from the NORM task's h; the first QKV task writes the rounded residual
-    back, the first router task writes h for the up tiles."""
-    from northcode.megakernel.kernel import TaskType, make_task
-    from northcode.megakernel.tasks import LOCAL_NORM, LOCAL_WRITE_H, LOCAL_WRITE_X
-    from northcode.model.model import apply_rope, norm, project_qkv, rope_cos_sin
-
-    config, weights, model, cache, kernel = env(geometry)
-    layer = 1
-    x = torch.randn(8, config.hidden_size, device="cuda") * 3
-    kernel.x.copy_(x)
-    kernel.h.zero_()
-    h_ref = norm(x.to(torch.bfloat16), model.layers[layer].input_norm, config)
-    tiles, router_tiles = (config.q_size + 2 * config.kv_size) // 16, -(-config.num_experts // 16)
-    rope = int(config.uses_rope(layer))
-    qkv = [make_task(TaskType.QKV, layer, (t, min(2, tiles - t), rope, LOCAL_NORM | (LOCAL_WRITE_X if t == 0 else 0)))
-           for t in range(0, tiles, 2)]
-    router = [make_task(TaskType.ROUTER, layer, (t, 1, LOCAL_NORM | (LOCAL_WRITE_H if t == 0 else 0)))
-              for t in range(router_tiles)]
-    run(kernel, [qkv, router])
-    assert torch.equal(kernel.x, x.to(torch.bfloat16).float()), "the first QKV task rounds the residual"
-    assert rel_err(kernel.h, h_ref) < REL_TOL, "the first router task writes h"
-    q, k, v = project_qkv(h_ref, model.layers[layer], config)
-    if rope:
-        cos, sin = rope_cos_sin(torch.tensor(GEOMETRIES[geometry][2], device="cuda"), model.inv_freq, torch.bfloat16)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    assert rel_err(kernel.q.view_as(q), q) < REL_TOL
-    for b, pos in enumerate(GEOMETRIES[geometry][2]):
-        page = int(cache.block_tables[layer, b, pos // 64])
-        assert rel_err(cache.k_pool[page, pos % 64], k[b]) < REL_TOL
-        assert rel_err(cache.v_pool[page, pos % 64], v[b]) < REL_TOL
-    assert rel_err(kernel.router_logits, F.linear(h_ref, model.layers[layer].router).float()) < REL_TOL
-
-
-@pytest.mark.parametrize("ring", ["variant", "one-stage", "largest", "fused"])
+@pytest.mark.parametrize("ring", ["variant", "one-stage", "largest"])
 @pytest.mark.parametrize("layer,splits", [(1, 3), (4, 1), (4, 4), (1, 32), (4, 32)])  # 32: NC_MAX_SPLITS
 def test_split_attention_and_combine(geometry: str, layer: int, splits: int, ring: str) -> None:
     """ring: the KV ring as $NC_VARIANT sets it; one stage with no page copied before the wait; the most
-    stages the build allows (every page of a split in flight at once up to 5 or 8 pages); fused: as
-    $NC_VARIANT, the last split of each (row, head) merging them (ATTN arg5, no COMBINE task)."""
+    stages the build allows (every page of a split in flight at once up to 5 or 8 pages)."""
     from northcode.megakernel.kernel import FLAG_NO_KV_PRELOAD, TaskType, make_task
     from northcode.model.model import attention
 
@@ -170,16 +134,12 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, rin
     kvh, window = config.num_key_value_heads, config.window(layer) or 0
     q = randn_bf16(8, config.num_attention_heads, config.head_dim)
     kernel.q.copy_(q.view(8, -1))
-    if ring == "fused":
-        waves = [[make_task(TaskType.ATTN, layer, (b, g, s, splits, window, 1 + b * kvh + g))
-                  for b in range(8) for g in range(kvh) for s in range(splits)]]
-    else:
-        waves = [[make_task(TaskType.ATTN, layer, (b, g, s, splits, window), (), b * kvh + g)
-                  for b in range(8) for g in range(kvh) for s in range(splits)],
-                 [make_task(TaskType.COMBINE, layer, (b, g, splits), ((b * kvh + g, splits),))
-                  for b in range(8) for g in range(kvh)]]
+    waves = [[make_task(TaskType.ATTN, layer, (b, g, s, splits, window), (), b * kvh + g)
+              for b in range(8) for g in range(kvh) for s in range(splits)],
+             [make_task(TaskType.COMBINE, layer, (b, g, splits), ((b * kvh + g, splits),))
+              for b in range(8) for g in range(kvh)]]
     kernel.attn_out.zero_()
-    settings = {"variant": {}, "fused": {}, "one-stage": dict(kv_stages=1, flags=kernel.params.flags | FLAG_NO_KV_PRELOAD),
+    settings = {"variant": {}, "one-stage": dict(kv_stages=1, flags=kernel.params.flags | FLAG_NO_KV_PRELOAD),
                 "largest": dict(kv_stages=kernel.lib.nc_max_kv_stages())}[ring]
     with params_set(kernel, **settings):
         run(kernel, waves, num_counters=8 * kvh)
