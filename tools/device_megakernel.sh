@@ -39,7 +39,7 @@ phase tasks5 60 python3 -m pytest -q -rf -k full5 $T
 FULL_TESTS=("$D::test_full_shapes_shallow_teacher_forced")
 [ "${FULL49:-0}" = 1 ] && FULL_TESTS+=("$D::test_full_teacher_forced[1]" "$D::test_full_32k_context" \
   "$D::test_free_running_greedy_agreement[north-mini-code-1]")
-phase full 150 python3 -m pytest -q -rf "${FULL_TESTS[@]}"
+phase full ${FULL_LIMIT:-150} python3 -m pytest -q -rf "${FULL_TESTS[@]}"
 fi
 BACKENDS=megakernel
 [ "${BENCH_TORCH:-0}" = 1 ] && BACKENDS="megakernel torch"
