@@ -54,6 +54,7 @@ def test_compile_follows_the_argument_then_the_environment_and_is_off_on_the_cpu
     assert not compile_requested(None, cpu)
     assert TorchBackend(config, weights, 16, PAGE, 2, 8).compiled is None
     assert compile_requested(True, cpu) and not compile_requested(False, cuda)
+    assert not compile_requested(None, cuda, cuda_graphs=False)  # a prefiller or a reference: nothing to compile
     monkeypatch.setenv("NORTHCODE_TORCH_COMPILE", "1")
     assert compile_requested(None, cpu) and not compile_requested(False, cpu)
     assert isinstance(TorchBackend(config, weights, 16, PAGE, 2, 8).compiled, CompiledDecode)

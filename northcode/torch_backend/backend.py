@@ -12,6 +12,10 @@ graphs of the decode step.
   - decode (decode_step.py) runs one step in a CUDA graph per (batch bucket, context bucket) over static
     input buffers on a GPU, eagerly on the CPU; the same code either way. Context buckets grow by an
     eighth of an octave (16, 18, 20, ... pages), so a graph reads at most ~12% more pages than needed.
+    With compile on (the default with graphs on CUDA when triton imports; NORTHCODE_TORCH_COMPILE=0/1) it is
+    compiled_step.py's torch.compile'd one instead: compiled and checked against the eager step per batch
+    bucket at warm-up, one graph per batch bucket for every context (key (bucket, ANY_CONTEXT)); a compile
+    that fails is logged once (`compile_failure`) and the eager step decodes from then on.
   - launch_decode (launch.py) enqueues the same step for the engine's pipeline: carried rows take the
     previous launch's tokens on the device, the rows are sampled on the device, and the host reads the tokens
     only in `result()`, after it has launched the next step.
@@ -73,9 +77,9 @@ class TorchBackend:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], num_pages: int, page_size: int,
                  max_batch: int, max_pages_per_seq: int, cuda_graphs: bool = True, compile: bool | None = None) -> None:
-        """compile: torch.compile the decode step (compiled_step.py); None: NORTHCODE_TORCH_COMPILE, else on for
-        CUDA when triton imports. A compile that fails or disagrees with the eager step at warm-up is
-        logged once (compile_failure) and the eager step decodes instead."""
+        """compile: torch.compile the decode step (compiled_step.py); None: NORTHCODE_TORCH_COMPILE, else on with
+        CUDA graphs on CUDA when triton imports. A compile that fails or disagrees with the eager step at
+        warm-up is logged once (compile_failure) and the eager step decodes instead."""
         check_weights(config, weights)
         self.config = config
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
@@ -119,7 +123,7 @@ class TorchBackend:
         self.last_launch_tokens: torch.Tensor | None = None  # device long [B]: what launch_decode sampled last
         self.prefiller = ChunkPrefill(self)
         self.decoder = DecodeStep(self)  # its prepare / layer are what the GPU tests teacher-force
-        self.compiled = CompiledDecode(self) if compile_requested(compile, self.device) else None
+        self.compiled = CompiledDecode(self) if compile_requested(compile, self.device, cuda_graphs) else None
         self.compile_failure: str | None = None  # why compile was given up, if it was
         # (token_ids, positions, rows, num_full_pages) -> logits: the compiled step, or the eager one
         self.decode_step = self.compiled if self.compiled is not None else self.decoder.__call__
@@ -205,6 +209,7 @@ class TorchBackend:
             return self.decode_step(token_ids, positions, rows, num_full_pages)[:num_rows]
         return graph.run(token_ids, positions, rows)[:num_rows].clone()
 
+    @torch.inference_mode()  # as decode and launch_decode: compiled graphs are kept per grad mode
     def warm_up(self) -> None:
         """Before serving, for every batch bucket: compile the step (when compile is on) and capture its decode
         graph, so no request pays for either. A compiled step's graph serves every context; the eager step's

@@ -13,12 +13,14 @@ own: backend.py captures the step in its CUDA graph as it does the eager one):
     routed experts), the residual adds, and the next layer's norm (the final norm after the last layer);
   - `head_step`: LM head and logit scale.
 Nothing in the shapes depends on the context length (the block mask is data), so one compiled step and one
-CUDA graph per batch bucket serve every context: no recompile, no capture while serving.
+CUDA graph per batch bucket serve every context: no recompile, no capture while serving. Per layer kind, not
+the 49 layers unrolled, keeps a bucket's compile to five small graphs. CompiledDecode (below) runs them,
+compiles a bucket at warm-up and checks it against the eager step there (backend.py falls back on failure).
 At batch 1 on a GPU the bucket compiles with coordinate-descent tuning, which turns every M = 1 GEMM into
-inductor's GEMV (mm/bmm decompositions): the weights stream at near-peak bandwidth instead of cuBLAS's
-~1.6 TB/s at M = 1, and the routed experts take the gathered path (routed_experts.py), whose gather of the
-chosen experts' weights becomes the GEMV's indirect loads (no copy). Larger buckets keep cuBLAS and the
-grouped GEMM. NORTHCODE_TORCH_COMPILE_GEMV=0 keeps cuBLAS at batch 1 too.
+inductor's GEMV (its mm/bmm decompositions, as gpt-fast): the weights stream near peak bandwidth instead of
+cuBLAS's ~1.6 TB/s at M = 1, and the routed experts take the gathered path (routed_experts.py), whose gather
+of the chosen experts' weights becomes the GEMV's indirect loads (no copy). Larger buckets keep cuBLAS and
+the grouped GEMM. NORTHCODE_TORCH_COMPILE_GEMV=N moves that limit (0: cuBLAS at batch 1 too).
 Results equal the eager step's to the model dtype's rounding (GEMV sums in fp32 in another order; flex
 keeps the scores in fp32 where the eager bmm rounds them to the model dtype).
 """
@@ -47,7 +49,7 @@ class StepSpec:
     window: int | None  # sliding window in tokens; None: no sliding layer
     window_pages: int  # pages a sliding layer reads at most
     has_full: bool
-    index_width: int  # kv_indices columns: P (GPU), or every pool page (inductor's CPU flex needs them all)
+    pad_indices_to: int  # kv_indices columns at least: 0 on a GPU; the pool's pages on the CPU (its flex needs them)
     logit_scale: float
 
 
@@ -116,8 +118,8 @@ def _kind_view(pages: torch.Tensor, first: torch.Tensor, last_block: torch.Tenso
     last_block: the index in pages of the new token's page [B]."""
     ps = spec.page_size
     indices = pages.to(torch.int32)
-    if spec.index_width > indices.shape[-1]:  # CPU: pad to the pool's page count (never read)
-        indices = F.pad(indices, (0, spec.index_width - indices.shape[-1]))
+    if spec.pad_indices_to > indices.shape[-1]:  # CPU: pad to the pool's page count (never read)
+        indices = F.pad(indices, (0, spec.pad_indices_to - indices.shape[-1]))
     last = indices.gather(2, last_block[None, :, None].expand(indices.shape[0], -1, 1))[..., 0]  # [L_kind, B]
     num_blocks = (last_block + 1).to(torch.int32)
     # the mask's tensors contiguous: inductor's CPU flex template takes no strided mask inputs
@@ -170,7 +172,7 @@ def paged_attention(queries: torch.Tensor, pool: torch.Tensor, view: tuple, spec
         page, offset = kv_idx // ps, kv_idx % ps
         seen = (page != last_page[b]) | (offset <= last_offset[b])
         if spec.sliding:
-            seen = seen & ((page != first_page[b]) | (offset > first_offset[b]))
+            seen = seen & ((page != first_page[b]) | (offset >= first_offset[b]))
         return seen
 
     mask = BlockMask.from_kv_blocks(num_blocks.view(batch, 1, 1), indices.view(batch, 1, 1, -1),
@@ -205,9 +207,14 @@ def head_step(h: torch.Tensor, lm_head: torch.Tensor, spec: StepSpec) -> torch.T
     return logits.float()
 
 
-def gemv_enabled() -> bool:
-    """NORTHCODE_TORCH_COMPILE_GEMV (default 1): batch 1 through inductor's GEMVs; 0 keeps cuBLAS there."""
-    return os.environ.get("NORTHCODE_TORCH_COMPILE_GEMV", "1").strip() != "0"
+def gemv_max_batch() -> int:
+    """NORTHCODE_TORCH_COMPILE_GEMV (default 1): the largest batch bucket compiled with inductor's GEMVs and
+    gathered experts (0: cuBLAS and the grouped GEMM everywhere; 8: at batch 8 too, where each row reads its
+    own 8 experts, ~23% more bytes than the distinct ones, but at GEMV speed)."""
+    chosen = os.environ.get("NORTHCODE_TORCH_COMPILE_GEMV", "1").strip()
+    if not chosen.isdigit():
+        raise ValueError(f"NORTHCODE_TORCH_COMPILE_GEMV={chosen!r}: must be a batch size (0: never)")
+    return int(chosen)
 
 
 # --- the driver ---
@@ -218,13 +225,20 @@ CHECK_LOGITS_COS_MIN = 0.99  # and the LM head on the same input
 MEMORY_SLACK_BYTES = 64 << 20  # a step's own temporaries (logits, split-KV partials, MoE rows) stay below this
 
 
+# gemv? -> the compiled (prepare_step, layer_step, head_step), shared by every backend of the process: dynamo
+# keeps a function's graphs with the backend object that compiled them, so one wrapper per setting lets a new
+# backend (a restart, a bench cell) of the same shapes run the graphs compiled before, without compiling
+_COMPILED: dict[bool, tuple] = {}
+
+
 class CompileCheckError(RuntimeError):
     """The compiled step disagrees with the eager step at warm-up: it is not used."""
 
 
-def compile_requested(compile: bool | None, device: torch.device) -> bool:
-    """compile=True/False wins; None: NORTHCODE_TORCH_COMPILE=0/1 when set, else on for CUDA when triton
-    imports (inductor's GPU code generator), off on the CPU."""
+def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: bool = True) -> bool:
+    """compile=True/False wins; None: NORTHCODE_TORCH_COMPILE=0/1 when set, else on for a graphed backend on
+    CUDA when triton imports (inductor's GPU code generator); off on the CPU and for a backend built without
+    graphs (a megakernel's prefiller, an eager reference), which would compile for nothing."""
     if compile is not None:
         return compile
     chosen = os.environ.get("NORTHCODE_TORCH_COMPILE", "").strip()
@@ -232,7 +246,7 @@ def compile_requested(compile: bool | None, device: torch.device) -> bool:
         if chosen not in ("0", "1"):
             raise ValueError(f"NORTHCODE_TORCH_COMPILE={chosen!r}: must be 0 or 1")
         return chosen == "1"
-    if device.type != "cuda":
+    if device.type != "cuda" or not cuda_graphs:
         return False
     try:
         import triton  # noqa: F401
@@ -255,9 +269,8 @@ class CompiledDecode:
     def __init__(self, backend) -> None:
         cfg, device, ps = backend.config, backend.device, backend.page_size
         self.backend, self.config = backend, cfg
-        self.gemv = device.type == "cuda" and gemv_enabled()  # batch 1 through inductor's GEMVs
+        self.gemv_max_batch = gemv_max_batch() if device.type == "cuda" else 0  # inductor's GEMVs up to here
         self.ready: dict[int, float] = {}  # batch bucket -> seconds its compile and check took
-        self._compiled: dict[bool, tuple] = {}  # gemv? -> compiled (prepare_step, layer_step, head_step)
         window_pages = min(-(-cfg.sliding_window // ps) + 1, backend.max_pages_per_seq) if cfg.sliding_window else 0
         layer_ids = {sliding: [i for i in range(cfg.num_hidden_layers) if (cfg.window(i) is not None) == sliding]
                      for sliding in (False, True)}
@@ -292,21 +305,25 @@ class CompiledDecode:
         shared = (layer.gate_proj, layer.up_proj, layer.down_proj) if self.config.num_shared_experts else ()
         return (backend.qkv_proj[i], layer.o_proj, layer.experts_gate_up, layer.experts_down) + shared
 
+    def uses_gemv(self, batch: int) -> bool:
+        """Whether this batch size compiles with coordinate-descent tuning: M = 1 GEMMs as inductor GEMVs."""
+        return batch <= self.gemv_max_batch
+
     def functions(self, batch: int) -> tuple:
         """The compiled (prepare_step, layer_step, head_step) for a batch size; compiled on their first call."""
-        gemv = self.gemv and batch == 1
-        if gemv not in self._compiled:
+        gemv = self.uses_gemv(batch)
+        if gemv not in _COMPILED:
             options = {"coordinate_descent_tuning": True} if gemv else None
-            self._compiled[gemv] = tuple(torch.compile(fn, dynamic=False, fullgraph=True, options=options)
-                                         for fn in (prepare_step, layer_step, head_step))
-        return self._compiled[gemv]
+            _COMPILED[gemv] = tuple(torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+                                    for fn in (prepare_step, layer_step, head_step))
+        return _COMPILED[gemv]
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                  num_full_pages: int | None = None) -> torch.Tensor:
         """token_ids, positions, rows: long [B] -> fp32 logits [B, V]; K/V of the new tokens written."""
         backend, batch = self.backend, token_ids.shape[0]
         prepare, layer, head = self.functions(batch)
-        specs = self.layer_specs[self.gemv and batch == 1]
+        specs = self.layer_specs[self.uses_gemv(batch)]
         with _dynamo_limits():
             x, h, cos, sin, write_slots, *views = prepare(
                 token_ids, positions, rows, backend.page_of, backend.embed, backend.inv_freq,
@@ -354,13 +371,25 @@ class CompiledDecode:
                                     f"{pool_bytes / 1e6:.0f} MB: it copies the pool instead of reading it in place")
 
     def check(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """Each compiled layer against DecodeStep.layer on the same input (teacher-forced, the eager output
-        fed on), then the LM head: CompileCheckError below the cosine bounds or on a non-finite value. A
-        guard against a miscompiled step (wrong layout, garbage), not a rounding test (the tests do that)."""
+        """CompileCheckError when a compiled layer or the LM head disagrees with the eager step (agreement)
+        below the cosine bounds, or gives a non-finite value. A guard against a miscompiled step (wrong
+        layout, garbage), not a rounding test: the tests bound the rounding."""
+        for part, cos, _ in self.agreement(token_ids, positions, rows):
+            bound = CHECK_LOGITS_COS_MIN if part == "LM head" else CHECK_LAYER_COS_MIN
+            if not cos >= bound:  # NaN fails too
+                raise CompileCheckError(f"compiled {part} disagrees with the eager step: cosine {cos:.4f} < {bound}")
+
+    def agreement(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                  rows: torch.Tensor) -> list[tuple[str, float, float]]:
+        """Each compiled layer against DecodeStep.layer on the same input (teacher-forced: the eager output
+        is fed on), then the LM head: (part, min cosine over rows, max |got - want| / |want| over rows) of
+        what each adds to the residual stream (NaN cosine if anything is not finite). Writes the new
+        tokens' K/V, as a step does."""
         backend, decoder, batch = self.backend, self.backend.decoder, token_ids.shape[0]
         prepare, layer, head = self.functions(batch)
-        specs = self.layer_specs[self.gemv and batch == 1]
-        step = decoder.prepare(positions, rows, 1)
+        specs = self.layer_specs[self.uses_gemv(batch)]
+        step = decoder.prepare(positions, rows, -(-(int(positions.max()) + 1) // backend.page_size))
+        parts = []
         with _dynamo_limits():
             x, _, cos, sin, write_slots, *views = prepare(
                 token_ids, positions, rows, backend.page_of, backend.embed, backend.inv_freq,
@@ -371,13 +400,16 @@ class CompiledDecode:
                 got = (layer(x, h, self.layer_weights[i], backend.kv_pool, cos, sin, write_slots[i],
                              self._layer_view(views, i), self.next_norms[i], decoder.expert_range, specs[i])[0]
                        - x).float()
-                _check_close(got, want, CHECK_LAYER_COS_MIN, f"layer {i}")
+                parts.append((f"layer {i}", *_closeness(got, want)))
                 x = x + want.to(x.dtype)
-            h = backend.norm(x, backend.final_norm)
-            _check_close(head(h, backend.lm_head, self.step_spec), backend.logits(x), CHECK_LOGITS_COS_MIN, "LM head")
+            logits = head(backend.norm(x, backend.final_norm), backend.lm_head, self.step_spec)
+            parts.append(("LM head", *_closeness(logits, backend.logits(x))))
+        return parts
 
 
-def _check_close(got: torch.Tensor, want: torch.Tensor, cos_min: float, what: str) -> None:
+def _closeness(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(min cosine over rows, max relative error over rows) of got, want [B, N]; NaN cosine if got is not finite."""
+    if not torch.isfinite(got).all().item():
+        return float("nan"), float("inf")
     cos = F.cosine_similarity(got, want, dim=-1).min().item()
-    if not torch.isfinite(got).all().item() or not cos >= cos_min:
-        raise CompileCheckError(f"compiled {what} disagrees with the eager step: cosine {cos:.4f} < {cos_min}")
+    return cos, ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)).max().item()

@@ -20,6 +20,7 @@ Kernels are attributed to the step's parts: prepare, each layer kind (decode_ste
     python -m northcode.torch_backend.op_count [--batch 1] [--context 8192] [--ops]
     python -m northcode.torch_backend.op_count --cuda     # on a GPU: the CUDA kernels torch.profiler sees
     python -m northcode.torch_backend.op_count --time     # on a GPU, real widths: where the step's time goes
+    python -m northcode.torch_backend.op_count --time --compiled   # the same for the torch.compile'd step
 """
 
 from __future__ import annotations
@@ -139,9 +140,10 @@ def count_step(step, config) -> KernelCounter:
 
 
 def decode_step_at(batch: int, context: int, config=None, device: str = "cpu", dtype=torch.float32,
-                   page_size: int = 64):
+                   page_size: int = 64, compiled: bool = False):
     """A TorchBackend (no graphs) with `batch` rows of `context` tokens mapped, and its decode step with
-    the arguments bound (functools.partial), on `config` (default: the structural config)."""
+    the arguments bound (functools.partial), on `config` (default: the structural config); `compiled`: the
+    torch.compile'd step (compiled_step.py, compiled here for this batch) instead of the eager one."""
     import functools
 
     from northcode.engine.kv_cache import KVCacheManager
@@ -153,7 +155,8 @@ def decode_step_at(batch: int, context: int, config=None, device: str = "cpu", d
     pages_per_seq = -(-(context + 1) // page_size)
     num_pages = batch * pages_per_seq * config.num_hidden_layers
     kv = KVCacheManager(config, num_pages, page_size, batch, pages_per_seq)
-    backend = TorchBackend(config, weights, num_pages, page_size, batch, pages_per_seq, cuda_graphs=False)
+    backend = TorchBackend(config, weights, num_pages, page_size, batch, pages_per_seq, cuda_graphs=False,
+                           compile=compiled)
     for row in range(batch):
         kv.allocate(row, context + 1)
         kv.evict_behind_window(row, context)
@@ -162,6 +165,9 @@ def decode_step_at(batch: int, context: int, config=None, device: str = "cpu", d
     positions = torch.full((batch,), context, dtype=torch.long, device=device)
     rows = torch.arange(batch, device=device)
     pages = context_bucket(-(-(context + 1) // page_size), pages_per_seq)  # what the graph would read
+    if compiled:
+        backend.compiled.compile_bucket(batch)
+        return functools.partial(backend.compiled, token_ids, positions, rows, pages)
     return functools.partial(backend.decoder.__call__, token_ids, positions, rows, pages)
 
 
@@ -202,16 +208,18 @@ def count_cuda_kernels(batch: int = 1, context: int = 8192, config=None) -> tupl
     return device_events or sum(by_part.values()), by_part
 
 
-def time_cuda_step(batch: int = 1, context: int = 8192, repeats: int = 20) -> dict:
+def time_cuda_step(batch: int = 1, context: int = 8192, repeats: int = 20, compiled: bool = False) -> dict:
     """North Mini Code at its real widths (random bf16 weights) on the GPU: ms per decode step replayed in a
     CUDA graph (what the bench measures), and from one eager step under torch.profiler the device time of
     every kernel, by part of the step and by kernel name. The graph's time minus the kernels' is what the
-    launches and the gaps between kernels cost."""
+    launches and the gaps between kernels cost. `compiled`: the torch.compile'd step (its kernels carry no
+    part ranges: they count under "other")."""
     from torch.profiler import ProfilerActivity, profile
 
     from northcode.model.synthetic import preset_config
 
-    step = decode_step_at(batch, context, preset_config("north-mini-code"), device="cuda", dtype=torch.bfloat16)
+    step = decode_step_at(batch, context, preset_config("north-mini-code"), device="cuda", dtype=torch.bfloat16,
+                          compiled=compiled)
     with torch.inference_mode():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -250,9 +258,10 @@ def time_cuda_step(batch: int = 1, context: int = 8192, repeats: int = 20) -> di
                 kernel_ms=sum(by_name.values()) / 1e3, by_part=by_part, by_name=by_name, calls=calls)
 
 
-def print_timing(batch: int, context: int, top: int = 25) -> None:
-    t = time_cuda_step(batch, context)
-    print(f"decode step, North Mini Code widths, batch {batch}, context {context}: {t['graph_ms']:.3f} ms in a "
+def print_timing(batch: int, context: int, top: int = 25, compiled: bool = False) -> None:
+    t = time_cuda_step(batch, context, compiled=compiled)
+    what = "compiled decode step" if compiled else "decode step"
+    print(f"{what}, North Mini Code widths, batch {batch}, context {context}: {t['graph_ms']:.3f} ms in a "
           f"CUDA graph; eager under the profiler {t['kernels']} kernels, {t['kernel_ms']:.3f} ms of kernel time")
     for part, us in sorted(t["by_part"].items()):
         print(f"  {part:28s} {us / 1e3:8.3f} ms")
@@ -271,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda", action="store_true", help="count real CUDA kernels with torch.profiler instead")
     parser.add_argument("--time", action="store_true",
                         help="on a GPU at North Mini Code's widths: graph ms per step and kernel time by part and name")
+    parser.add_argument("--compiled", action="store_true", help="with --time: the torch.compile'd step")
     args = parser.parse_args(argv)
     if args.time:
-        print_timing(args.batch, args.context)
+        print_timing(args.batch, args.context, compiled=args.compiled)
         return 0
     if args.cuda:
         total, by_part = count_cuda_kernels(args.batch, args.context)

@@ -1,0 +1,141 @@
+"""The torch.compile'd decode step on the GPU (torch_backend/compiled_step.py) against the eager step, both in
+CUDA graphs: the tiny model in fp32 (logits to fp32 rounding, 24 steps across pages and the window), and the
+first 5 layers of North Mini Code in bf16 decoding from random 8K caches (each layer teacher-forced within
+the bf16 bounds of tests/gpu/test_engine_gpu.py, the logits of a few steps at cosine >= 0.95), at batch 1
+(inductor's GEMVs, gathered experts read in place) and batch 8 (cuBLAS, grouped GEMM). Every compile must
+succeed (no fallback), one graph per batch bucket serves every context, and no step after the first compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
+from northcode.engine.kv_cache import KVCacheManager
+
+pytestmark = pytest.mark.gpu
+
+BF16_COS_MIN, BF16_REL_TOL = 0.999, 0.05  # per layer, as the 49-layer bf16 test of test_engine_gpu.py
+# 5 bf16 layers end to end: the two paths' roundings differ, so a router near-tie (gap under ~1e-2, a few % of
+# (row, layer) pairs) can pick another expert in one layer, which moves a row's logits to cosine ~0.99; garbage
+# gives ~0. The per-layer check (teacher-forced, same input to both) is the strict one.
+LOGITS_COS_MIN = 0.95
+
+
+def test_tiny_compiled_graphs_equal_the_eager_graphs_at_batch_1_and_8(tiny_checkpoint):
+    from torch._dynamo.utils import counters
+
+    from northcode.model.checkpoint import load_checkpoint
+    from northcode.torch_backend.backend import ANY_CONTEXT, TorchBackend
+
+    config, weights = load_checkpoint(tiny_checkpoint, device=torch.device("cuda"), dtype=torch.float32)
+    tokens = torch.randint(0, config.vocab_size, (160,), generator=torch.Generator().manual_seed(3)).tolist()
+    lengths = [100, 70, 33, 31, 17, 16, 2, 1]
+    backends, managers = [], []
+    for compile in (False, True):
+        kv = KVCacheManager(config, 400, 16, 8, 16)
+        backend = TorchBackend(config, weights, 400, 16, 8, 16, compile=compile)
+        for row, n in enumerate(lengths):
+            kv.allocate(row, n)
+            backend.prefill(PrefillBatch([PrefillChunk(row, tokens[:n], 0)], kv.block_tables, kv.version,
+                                         kv.high_water))
+        backends.append(backend)
+        managers.append(kv)
+    next_position = list(lengths)
+    graphs = None
+    for step in range(24):
+        rows = list(range(8)) if step % 2 == 0 else [0]  # batch 8, then batch 1 (row 0 runs ahead)
+        positions = [next_position[r] for r in rows]
+        logits = []
+        for kv, backend in zip(managers, backends):
+            for row, pos in zip(rows, positions):
+                kv.evict_behind_window(row, pos)
+                kv.allocate(row, pos + 1)
+            batch = DecodeBatch(rows, [tokens[p] for p in positions], positions, [], False, True, kv.block_tables,
+                                kv.version, kv.high_water)
+            logits.append(backend.decode(batch).logits)
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=1e-3)
+        for row in rows:
+            next_position[row] += 1
+        if step == 1:  # both buckets compiled
+            graphs = counters["stats"]["unique_graphs"]
+    compiled = backends[1]
+    print(f"tiny fp32: compile seconds per bucket {compiled.compiled.ready}")
+    assert compiled.compile_failure is None and not compiled.capture_failures
+    assert set(compiled.graphs) == {(1, ANY_CONTEXT), (8, ANY_CONTEXT)}
+    assert counters["stats"]["unique_graphs"] == graphs  # later steps, longer contexts: no new graph
+
+
+@pytest.fixture(scope="module")
+def width5_bf16():
+    """The first 5 layers of the full geometry (dense full+RoPE, 3 sliding, full NoPE), bf16 on the GPU."""
+    from northcode.model.synthetic import preset_config, random_weights
+
+    config = dataclasses.replace(preset_config("north-mini-code"), num_hidden_layers=5, layer_types=None,
+                                 mlp_layer_types=None)
+    return config, random_weights(config, device="cuda", dtype=torch.bfloat16, seed=0)
+
+
+@pytest.mark.parametrize("lengths", [[8192], [8192, 8000, 4160, 4095, 64, 63, 1, 5000]], ids=["b1", "b8"])
+def test_five_layers_of_north_mini_code_compiled_equal_eager_at_8k(width5_bf16, lengths):
+    from northcode.bench.decode_setup import paged_cache
+    from northcode.torch_backend.backend import ANY_CONTEXT, TorchBackend
+
+    config, weights = width5_bf16
+    steps = 4
+    cache = paged_cache(config, lengths, steps + 1, "cuda", seed=len(lengths))
+    tables = cache.block_tables.cpu()
+    batch = len(lengths)
+    backends = []
+    for compile in (False, True):
+        backend = TorchBackend(config, weights, cache.k_pool.shape[0], 64, batch, tables.shape[2], compile=compile)
+        backend.k_pool[:-1].copy_(cache.k_pool)
+        backend.v_pool[:-1].copy_(cache.v_pool)
+        backends.append(backend)
+    eager, compiled = backends
+    rows = list(range(batch))
+    token_ids = [1000 + 37 * b for b in rows]
+    for step in range(steps):
+        positions = [n + step for n in lengths]
+        got = [b.decode(DecodeBatch(rows, token_ids, positions, [], False, True, tables, 0)).logits for b in backends]
+        cos = torch.nn.functional.cosine_similarity(got[1], got[0], dim=-1).min().item()
+        print(f"B={batch} step {step}: logits cosine compiled vs eager {cos:.5f}")
+        assert torch.isfinite(got[1]).all() and cos >= LOGITS_COS_MIN
+    assert compiled.compile_failure is None and not compiled.capture_failures
+    assert set(compiled.graphs) == {(batch, ANY_CONTEXT)}
+    print(f"B={batch}: compile seconds {compiled.compiled.ready}")
+    device = torch.device("cuda")
+    with torch.inference_mode():  # each layer teacher-forced at the next position, on the same pages
+        parts = compiled.compiled.agreement(torch.tensor(token_ids, device=device),
+                                            torch.tensor([n + steps for n in lengths], device=device),
+                                            torch.tensor(rows, device=device))
+    for part, cos, rel in parts:
+        print(f"B={batch} {part}: cosine {cos:.5f}, rel err {rel:.4f}")
+        assert cos >= BF16_COS_MIN and rel <= BF16_REL_TOL, part
+
+
+def test_the_compiled_step_reads_the_pages_in_place(width5_bf16):
+    """A compiled B=1 step at 8K allocates far less than the pool (the warm-up check refuses a step that
+    copies it; this states the bound on the step the bench times)."""
+    from northcode.bench.decode_setup import paged_cache
+    from northcode.torch_backend.backend import TorchBackend
+
+    config, weights = width5_bf16
+    cache = paged_cache(config, [8192], 5, "cuda", seed=1)  # the shapes of the b1 case: its compiled graphs
+    backend = TorchBackend(config, weights, cache.k_pool.shape[0], 64, 1, cache.block_tables.shape[2],
+                           cuda_graphs=False, compile=True)
+    batch = DecodeBatch([0], [5], [8192], [], False, True, cache.block_tables.cpu(), 0)
+    backend.decode(batch)  # compiles
+    assert backend.compile_failure is None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    backend.decode(batch)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    pool_mb = backend.kv_pool.nbytes / 1e6
+    print(f"compiled B=1 step at 8K: {extra / 1e6:.1f} MB allocated next to a {pool_mb:.0f} MB pool")
+    assert extra < backend.kv_pool.nbytes / 4  # copying K and V would take the whole pool
