@@ -236,9 +236,9 @@ class CompileCheckError(RuntimeError):
 
 
 def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: bool = True) -> bool:
-    """compile=True/False wins; None: NORTHCODE_TORCH_COMPILE=0/1 when set, else on for a graphed backend on
-    CUDA when triton imports (inductor's GPU code generator); off on the CPU and for a backend built without
-    graphs (a megakernel's prefiller, an eager reference), which would compile for nothing."""
+    """compile=True/False wins; None: NORTHCODE_TORCH_COMPILE=0/1 when set, else off: opt-in until the compiled
+    step has passed its check on a GPU (its first H200 run, day 2: flex_attention copied the KV pool, the
+    warm-up check refused it after ~60 s of compiling per bucket, and the eager step decoded)."""
     if compile is not None:
         return compile
     chosen = os.environ.get("NORTHCODE_TORCH_COMPILE", "").strip()
@@ -246,13 +246,7 @@ def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: b
         if chosen not in ("0", "1"):
             raise ValueError(f"NORTHCODE_TORCH_COMPILE={chosen!r}: must be 0 or 1")
         return chosen == "1"
-    if device.type != "cuda" or not cuda_graphs:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return False
 
 
 def _dynamo_limits():
