@@ -121,10 +121,11 @@ def test_tiny_window_crossed_many_times_frees_pages_and_matches_the_reference(en
     assert engine.stats()["pages_used"] == 0
 
 
-def test_tiny_pool_forces_preemption_and_every_request_completes_as_alone(tiny_checkpoint, engine):
+def assert_a_tiny_pool_preempts_and_completes_as_alone(reference, small) -> None:
+    """4 requests that cannot fit a 60-page pool together: `small` (such a pool; shut down here) preempts and
+    still gives each the tokens `reference` gives it alone, and ends with every page free."""
     requests = [(prompt_of(n, salt=5), greedy(40)) for n in (20, 28, 36, 44)]
-    alone = [tokens_of(run(engine, [r])[0]) for r in requests]
-    small = make_engine(tiny_checkpoint, num_pages=60)
+    alone = [tokens_of(run(reference, [r])[0]) for r in requests]
     try:
         together = run(small, requests)
         assert [tokens_of(o) for o in together] == alone
@@ -132,6 +133,10 @@ def test_tiny_pool_forces_preemption_and_every_request_completes_as_alone(tiny_c
         assert small.stats()["pages_used"] == 0
     finally:
         small.shutdown()
+
+
+def test_tiny_pool_forces_preemption_and_every_request_completes_as_alone(tiny_checkpoint, engine):
+    assert_a_tiny_pool_preempts_and_completes_as_alone(engine, make_engine(tiny_checkpoint, num_pages=60))
 
 
 def test_abort_and_early_close_free_every_page(engine):

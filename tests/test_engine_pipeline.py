@@ -17,7 +17,8 @@ from northcode.engine.settings import EngineSettings
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.tokenizer import Tokenizer
 from northcode.torch_backend.backend import TorchBackend
-from tests.test_engine import greedy, make_engine, prompt_of, run, tokens_of
+from tests.test_engine import (assert_a_tiny_pool_preempts_and_completes_as_alone, greedy, make_engine, prompt_of, run,
+                               tokens_of)
 
 SETTINGS = dict(page_size=16, chunk_size=24, device="cpu", seed=0)
 
@@ -158,15 +159,7 @@ def test_seeds_and_penalties_give_the_unpipelined_tokens(piped, plain):
 
 
 def test_a_tiny_pool_preempts_and_every_request_completes_as_alone(tiny_checkpoint, plain):
-    requests = [(prompt_of(n, salt=5), greedy(40)) for n in (20, 28, 36, 44)]
-    alone = [tokens_of(run(plain, [r])[0]) for r in requests]
-    small = pipelined_engine(tiny_checkpoint, num_pages=60)
-    try:
-        together = run(small, requests)
-        assert [tokens_of(o) for o in together] == alone
-        assert small.scheduler.num_preemptions > 0 and small.stats()["pages_used"] == 0
-    finally:
-        small.shutdown()
+    assert_a_tiny_pool_preempts_and_completes_as_alone(plain, pipelined_engine(tiny_checkpoint, num_pages=60))
 
 
 def test_no_step_is_launched_past_max_tokens_and_one_past_a_stop(piped):

@@ -30,7 +30,7 @@ from northcode.model.tokenizer import Tokenizer
 from northcode.torch_backend.backend import TorchBackend
 from northcode.torch_backend.launch import sample_on_device
 from tests.test_engine import greedy, prompt_of, run, tokens_of
-from tests.test_torch_backend import SAMPLING, launch_batch, prefill
+from tests.test_torch_backend import SAMPLING, host_fed_batch, launch_batch, prefill
 
 ROWS, MAX_PAGES, NUM_PAGES = 11, 8, 120  # 11 rows: steps of two launches (8 + 3)
 
@@ -123,10 +123,7 @@ def decoded(backend, config) -> list[list[int]]:
     kv = prefilled(backend, config, prompts)
     outputs: list[list[int]] = [[] for _ in range(ROWS)]
     for order in ORDERS:
-        batch = launch_batch(kv, order, [(prompts[r] + outputs[r])[-1] for r in order],
-                             [len(prompts[r]) + len(outputs[r]) - 1 for r in order],
-                             [sampling(r, outputs[r]) for r in order])
-        for r, token in zip(order, backend.decode(batch).token_ids):
+        for r, token in zip(order, backend.decode(host_fed_batch(kv, order, prompts, outputs, sampling)).token_ids):
             outputs[r].append(token)
     return outputs
 

@@ -25,21 +25,21 @@ def tiny():
 
 
 def prefilled(weights_dtype: torch.dtype):
+    """The tiny model after PROMPT: (model, cache, next position, per-layer keys, per-layer values) of row 0."""
     from northcode.model.model import NorthModel
 
     config, weights = tiny()
     model = NorthModel(config, {n: t.to(weights_dtype) for n, t in weights.items()})
     cache = model.new_cache()
     model.prefill(PROMPT, cache)
-    return model, cache
+    keys = [cache.keys[i][0] for i in range(config.num_hidden_layers)]
+    values = [cache.values[i][0] for i in range(config.num_hidden_layers)]
+    return model, cache, cache.seq_len, keys, values
 
 
 def test_bf16_without_following_is_northmodel_decode_bit_for_bit() -> None:
     config, weights = tiny()
-    model, cache = prefilled(torch.bfloat16)
-    position = cache.seq_len
-    keys = [cache.keys[i][0] for i in range(config.num_hidden_layers)]
-    values = [cache.values[i][0] for i in range(config.num_hidden_layers)]
+    model, cache, position, keys, values = prefilled(torch.bfloat16)
     got = Oracle(config, weights, torch.bfloat16).step(44, position, keys, values)
     ref = model.decode(44, cache).float()
     assert torch.equal(got.logits, ref)
@@ -51,10 +51,7 @@ def test_bf16_without_following_is_northmodel_decode_bit_for_bit() -> None:
 
 def test_fp32_following_its_own_choice_is_the_fp32_model() -> None:
     config, weights = tiny()
-    model, cache = prefilled(torch.float32)
-    position = cache.seq_len
-    keys = [cache.keys[i][0] for i in range(config.num_hidden_layers)]
-    values = [cache.values[i][0] for i in range(config.num_hidden_layers)]
+    model, cache, position, keys, values = prefilled(torch.float32)
     oracle = Oracle(config, weights, torch.float32)
     own = oracle.step(44, position, keys, values)
     follow = own.own_experts.clone()
@@ -71,10 +68,7 @@ def test_fp32_following_its_own_choice_is_the_fp32_model() -> None:
 
 def test_comparisons_measure_what_they_say() -> None:
     config, weights = tiny()
-    model, cache = prefilled(torch.bfloat16)
-    position = cache.seq_len
-    keys = [cache.keys[i][0] for i in range(config.num_hidden_layers)]
-    values = [cache.values[i][0] for i in range(config.num_hidden_layers)]
+    model, cache, position, keys, values = prefilled(torch.bfloat16)
     exact = Oracle(config, weights, torch.float32).step(44, position, keys, values)
     bf16 = Oracle(config, weights, torch.bfloat16).step(44, position, keys, values, follow=exact.own_experts)
     errors = logit_errors(bf16.logits, exact.logits)

@@ -222,6 +222,12 @@ def launch_batch(kv, rows, tokens, positions, sampling) -> DecodeBatch:
     return DecodeBatch(rows, tokens, positions, sampling, True, False, kv.block_tables, kv.version, kv.high_water)
 
 
+def host_fed_batch(kv, order, prompts, outputs, sampling) -> DecodeBatch:
+    """The next step of rows `order`, each fed its last token (prompt + outputs so far) from the host."""
+    return launch_batch(kv, order, [(prompts[r] + outputs[r])[-1] for r in order],
+                        [len(prompts[r]) + len(outputs[r]) - 1 for r in order], [sampling(r, outputs[r]) for r in order])
+
+
 @contextlib.contextmanager
 def no_host_reads():
     """Fails on any op that makes the host wait for the device (op_count's list) or reads a tensor's values."""
@@ -269,10 +275,7 @@ def decoded_and_launched(config, weights, no_sync) -> tuple[list[list[int]], lis
     kv, plain = prefilled()
     outputs: list[list[int]] = [[], [], []]
     for order in orders:
-        batch = launch_batch(kv, order, [(prompts[r] + outputs[r])[-1] for r in order],
-                             [len(prompts[r]) + len(outputs[r]) - 1 for r in order],
-                             [sampling(r, outputs[r]) for r in order])
-        for r, token in zip(order, plain.decode(batch).token_ids):
+        for r, token in zip(order, plain.decode(host_fed_batch(kv, order, prompts, outputs, sampling)).token_ids):
             outputs[r].append(token)
 
     kv, launching = prefilled()
