@@ -24,7 +24,6 @@ from northcode.engine.settings import EngineSettings
 from northcode.megakernel.backend import MegakernelBackend
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, RowSpec
 from northcode.megakernel.tasks import attention_splits
-from northcode.megakernel.variants import VARIANTS
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.tokenizer import Tokenizer
 from northcode.torch_backend.backend import TorchBackend
@@ -48,7 +47,6 @@ class FakeMegakernel:
         self.launches: list[tuple[list[int], bool]] = []  # (block-table rows, fed from io) per launch
         self.schedules: set[tuple[int, int]] = set()
         self.num_blocks = 132  # an H100/H200's SMs: what the task lists are built for
-        self.variant = VARIANTS["default"]
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -103,9 +103,9 @@ class MegakernelBackend:
     def warm_up(self) -> None:
         """Build every task list a step can need before serving (launch sizes 1..8, one per split bucket up to
         the longest sequence: a few dozen, ~10 ms each), so no step waits for one."""
-        longest, max_splits = self.max_pages_per_seq * PAGE_SIZE - 1, self.kernel.variant.max_splits
+        longest = self.max_pages_per_seq * PAGE_SIZE - 1
         for rows in range(1, min(self.max_batch, MAX_BATCH) + 1):
-            for context in split_contexts(self.config, rows, self.kernel.num_blocks, longest, max_splits):
+            for context in split_contexts(self.config, rows, self.kernel.num_blocks, longest):
                 self.kernel.schedule(rows, context)
 
     @torch.inference_mode()

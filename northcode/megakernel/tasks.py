@@ -103,13 +103,12 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
     return lists
 
 
-def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int,
-                     max_splits: int = MAX_SPLITS) -> tuple[int, ...]:
+def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int) -> tuple[int, ...]:
     """KV splits per layer: as many (row, head, split) tasks as fit on the SMs in one round (a second round
     would double the attention phase for a few blocks), and for short contexts about as many as pages,
     rounded up to a power of two: the task lists are cached per split tuple (about 10 ms of Python and an
     upload each), so a context that grows by a page must not ask for new ones (empty splits cost nothing)."""
-    wanted = min(max_splits, MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
+    wanted = min(MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
     splits = []
     for layer in range(config.num_hidden_layers):
         window = config.window(layer)
@@ -230,8 +229,7 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
 
 
-def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context: int,
-                   max_splits: int = MAX_SPLITS) -> list[int]:
+def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context: int) -> list[int]:
     """One context per distinct attention_splits tuple for contexts 0..max_context (the task lists a
     sequence can need; MegakernelBackend.warm_up builds them all). Split counts change only where a layer's
     page count crosses a power of two or the window: those places are the candidates."""
@@ -245,7 +243,7 @@ def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context
             candidates.update(window + d for d in (-2, -1, 0, 1))
     contexts, seen = [], set()
     for context in sorted(c for c in candidates if 0 <= c <= max_context):
-        splits = attention_splits(config, batch, num_blocks, context, max_splits)
+        splits = attention_splits(config, batch, num_blocks, context)
         if splits not in seen:
             seen.add(splits)
             contexts.append(context)

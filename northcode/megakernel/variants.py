@@ -24,7 +24,6 @@ class Variant:
     kv_stages: int = 3
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
-    max_splits: int = 32  # attention splits per (row, KV head) at most (fewer: a smaller combine, longer splits)
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
