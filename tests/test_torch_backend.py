@@ -133,6 +133,29 @@ def test_padded_rows_touch_only_the_scratch_page_and_change_no_real_row(tiny):
     assert backend.scratch_page in touched and touched - {backend.scratch_page} <= real_pages
 
 
+def test_prefill_warm_up_runs_every_length_bucket_and_changes_no_live_page_or_table(tiny, monkeypatch):
+    """warm_up_prefill (warm_up runs it on a GPU) runs chunks of 1, 2, 4, ... tokens on the padding row over the
+    scratch page only: a prefilled row's pages, the device tables and the row's next logits are as without
+    it, and the scratch page is zero again."""
+    config, weights, _ = tiny
+    tokens = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    (kv, backend), (plain_kv, plain) = paged(config, weights), paged(config, weights)
+    for cache, b in ((kv, backend), (plain_kv, plain)):
+        prefill(cache, b, 1, tokens, 0, 50)
+    pool, tables = backend.kv_pool.clone(), backend.tables.clone()
+    chunks, forward = [], backend.prefiller.forward
+    monkeypatch.setattr(backend.prefiller, "forward",
+                        lambda ids, start, row: chunks.append((len(ids), start, row)) or forward(ids, start, row))
+    backend.warm_up_prefill()
+    longest = backend.max_pages_per_seq * PAGE  # 1024: the row's table
+    assert [n for n, _, _ in chunks] == [1 << i for i in range(11)]
+    assert all(row == backend.max_batch and start % PAGE == 0 and start + n <= longest for n, start, row in chunks)
+    assert torch.equal(backend.tables, tables) and not backend.kv_pool[:, backend.scratch_page].any()
+    assert torch.equal(backend.kv_pool, pool)
+    torch.testing.assert_close(prefill(kv, backend, 1, tokens, 50, 70), prefill(plain_kv, plain, 1, tokens, 50, 70),
+                               atol=0, rtol=0)
+
+
 def test_context_buckets_round_up_by_at_most_an_eighth():
     for pages in range(1, 3000):
         bucket = context_bucket(pages, 10_000)

@@ -85,7 +85,7 @@ class MegakernelBackend:
             raise ValueError(f"engine setting backend = 'megakernel': {reason}")
         self.config, self.max_batch, self.max_pages_per_seq = config, max_batch, max_pages_per_seq
         self.prefiller = TorchBackend(config, weights, num_pages, page_size, max_batch, max_pages_per_seq,
-                                      cuda_graphs=False)  # prefill only: decode graphs would be unused
+                                      cuda_graphs=False, compile=False)  # prefill only: no decode step to graph or compile
         self.k_pool, self.v_pool, self.device = self.prefiller.k_pool, self.prefiller.v_pool, self.prefiller.device
         launches = -(-max_batch // MAX_BATCH)  # per step; two steps may be queued (the pipeline)
         self.kernel = (kernel_factory(self.prefiller) if kernel_factory is not None
@@ -101,8 +101,10 @@ class MegakernelBackend:
         return self.prefiller.prefill(batch)
 
     def warm_up(self) -> None:
-        """Build every task list a step can need before serving (launch sizes 1..8, one per split bucket up to
-        the longest sequence: a few dozen, ~10 ms each), so no step waits for one."""
+        """Before serving: on a GPU, the prefiller's chunk lengths once (TorchBackend.warm_up_prefill: a short
+        turn's kernels load now, not in its TTFT); every task list a step can need (launch sizes 1..8, one per
+        split bucket up to the longest sequence: a few dozen, ~10 ms each), so no step waits for one."""
+        self.prefiller.warm_up()  # without graphs or compile: its prefill chunk lengths only (on a GPU)
         longest = self.max_pages_per_seq * PAGE_SIZE - 1
         for rows in range(1, min(self.max_batch, MAX_BATCH) + 1):
             for context in split_contexts(self.config, rows, self.kernel.num_blocks, longest):

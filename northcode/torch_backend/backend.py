@@ -8,7 +8,8 @@ both; `k_pool`, `v_pool` are its halves, in the layout of docs/architecture.md),
 block tables (row max_batch stays -1 for padded decode rows, which write the scratch page) with its
 translation `page_of` (long, scratch for -1: what the decode step indexes the pool with), and the CUDA
 graphs of the decode step.
-  - prefill (paged_prefill.py) runs each chunk eagerly;
+  - prefill (paged_prefill.py) runs each chunk eagerly; `warm_up` runs one chunk of each length bucket first
+    (on a GPU), since CUDA loads a kernel at its first launch and short chunks pick kernels long ones do not;
   - decode (decode_step.py) runs one step in a CUDA graph per (batch bucket, context bucket) over static
     input buffers on a GPU, eagerly on the CPU; the same code either way. Context buckets grow by an
     eighth of an octave (16, 18, 20, ... pages), so a graph reads at most ~12% more pages than needed.
@@ -55,6 +56,8 @@ from northcode.torch_backend.routed_experts import choose_moe_path
 log = logging.getLogger(__name__)
 MIN_CONTEXT_PAGES = 4  # smallest context bucket of the decode graphs (pages of full layers)
 BUCKET_STEPS_PER_OCTAVE = 8  # context buckets: 16, 18, 20, ..., 30, 32, 36, ... pages
+WARM_UP_CHUNK_TOKENS = 1024  # warm_up_prefill runs chunks of 1, 2, 4, ... this many tokens (2047 in all)
+WARM_UP_CONTEXT = 4096  # cached tokens before each warm-up chunk: the attention shapes of an agent's next turn
 ANY_CONTEXT = 0  # the context part of a compiled step's graph key: one graph serves every context length
 
 
@@ -211,9 +214,12 @@ class TorchBackend:
 
     @torch.inference_mode()  # as decode and launch_decode: compiled graphs are kept per grad mode
     def warm_up(self) -> None:
-        """Before serving, for every batch bucket: compile the step (when compile is on) and capture its decode
-        graph, so no request pays for either. A compiled step's graph serves every context; the eager step's
-        are captured here at the smallest context (longer contexts capture their bucket on first use)."""
+        """Before serving: on a GPU, one prefill chunk per length bucket (warm_up_prefill); for every batch bucket,
+        compile the step (when compile is on) and capture its decode graph, so no request pays for any of it.
+        A compiled step's graph serves every context; the eager step's are captured here at the smallest
+        context (longer contexts capture their bucket on first use)."""
+        if self.device.type == "cuda":
+            self.warm_up_prefill()
         buckets = sorted({min(next_power_of_two(n), self.max_batch) for n in range(1, self.max_batch + 1)})
         for bucket in buckets:
             if self.compiled is not None and bucket not in self.compiled.ready:
@@ -224,6 +230,29 @@ class TorchBackend:
             pages = ANY_CONTEXT if self.compiled is not None else context_bucket(1, self.max_pages_per_seq)
             if (bucket, pages) not in self.graphs and (bucket, pages) not in self.capture_failures:
                 self._capture(bucket, pages)
+
+    @torch.inference_mode()
+    def warm_up_prefill(self) -> None:
+        """One prefill chunk of each length 1, 2, 4, ... WARM_UP_CHUNK_TOKENS after WARM_UP_CONTEXT positions
+        (both capped by a row's table), so that no request pays the first launch of a kernel that only short
+        chunks pick (small-M GEMMs, the small sort of the MoE pairs; CUDA loads a kernel at its first launch):
+        the first short turn after a long prompt would. It runs on the padding row with every page mapped to
+        the scratch page (finite keys, no live page touched); after, the row is unmapped and that page zeroed."""
+        ps, row = self.page_size, self.max_batch
+        longest = self.max_pages_per_seq * ps  # positions one row's table holds
+        self.tables[:, row] = self.scratch_page
+        try:
+            for length in (1 << i for i in range(WARM_UP_CHUNK_TOKENS.bit_length())):
+                if length > longest:
+                    break
+                start = min(WARM_UP_CONTEXT, longest - length) // ps * ps
+                tokens = torch.arange(length, device=self.device) % self.config.vocab_size  # [T]
+                self.logits(self.prefiller.forward(tokens, start, row)[-1:])  # [1, V]: the LM head's shape too
+        finally:
+            self.tables[:, row] = -1
+            self.kv_pool[:, self.scratch_page].zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # its kernels run now, not in the first request's time
 
     def _compile(self, bucket: int) -> None:
         """Compile (and check) the step of a batch bucket; on any failure warn once and decode with the eager
