@@ -95,7 +95,8 @@ enum TaskType : int {
 
 // Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
 // NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4 };
+// OPROJ_RING: o_proj tiles stream through a per-lane cp.async ring (task_oproj_ring), issued after the wait.
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -1090,6 +1091,57 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
   __syncthreads();
 }
 
+// ---- OPROJ_RING (a variant, not yet run on a GPU): each 16-row o_proj tile (K = Hq*D, 128 KB) streams through
+// a per-lane ring of kMoeStages steps (rows g and g+8, 16 B each, at the warp's k-chunks: 48 KB in flight per SM
+// all along the tile), where the register product keeps 4 chunks in flight and drains them before the next 4.
+// Run 14's oproj-ring issued its first steps before the wait and delayed the SMs' other tasks; this one starts
+// after the wait. The activation pieces (attn_out, from L2) are loaded two steps ahead.
+constexpr int kOprojSteps = (kQSize / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (16 at North Mini Code)
+
+__device__ __forceinline__ void oproj_issue(const bf16* w, uint4* ring, int step) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int c = warp + kWarps * step;
+  if (step < kOprojSteps && c < kQSize / 32) {
+    uint4* slot = ring + (size_t)(step % kMoeStages) * 2 * kThreads + threadIdx.x;
+    const size_t lo = (size_t)g * kQSize + c * 32 + 8 * tq;
+    cp_async16(slot, w + lo);
+    cp_async16(slot + kThreads, w + lo + (size_t)8 * kQSize);
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+__device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const bf16* act = p.attn_out + (size_t)g * kQSize + warp * 32 + 8 * tq;
+  auto piece = [&](int j) {
+    return g < p.batch_size && j < kOprojSteps && warp + kWarps * j < kQSize / 32
+               ? load_act16(act + (size_t)kWarps * 32 * j) : make_uint4(0, 0, 0, 0);
+  };
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
+    const bf16* w = layer_ptr(p, t.layer, LP_O) + (size_t)tile * 16 * kQSize;
+    for (int j = 0; j < kMoeStages; ++j) oproj_issue(w, ring, j);
+    uint4 xa[3] = {piece(0), piece(1), make_uint4(0, 0, 0, 0)};
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int j = 0; j < kOprojSteps; ++j) {
+      if (j + 2 < kOprojSteps) xa[(j + 2) % 3] = piece(j + 2);
+      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
+      if (warp + kWarps * j < kQSize / 32) {
+        const uint4* slot = ring + (size_t)(j % kMoeStages) * 2 * kThreads + threadIdx.x;
+        mma_piece(acc[0], slot[0], slot[kThreads], xa[j % 3]);
+      }
+      oproj_issue(w, ring, j + kMoeStages);
+    }
+    reduce_warps<1>(acc, s.red, s.out);
+    const int i = threadIdx.x, r = i >> 3, b = i & 7;
+    if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the task (the next reuses the memory)
+  __syncthreads();
+}
+
 // ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================
 //   The dense layer's SwiGLU: up tiles (16 channels of gate and up, K = H) -> dense_act; down tiles
 //   (32 rows of H, K = I_dense) -> x += bf16(result).
@@ -1330,7 +1382,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
         case TASK_QKV: task_qkv(p, t, smem); break;
         case TASK_ATTN: task_attn(p, t, smem); break;
         case TASK_COMBINE: task_combine(p, t, smem); break;
-        case TASK_OPROJ: task_oproj(p, t, smem); break;
+        case TASK_OPROJ: if (p.flags & NC_FLAG_OPROJ_RING) task_oproj_ring(p, t, smem); else task_oproj(p, t, smem); break;
         case TASK_ROUTER: task_router(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
         case TASK_MOE_UP: task_moe_up(p, t, smem); break;

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
 FLAG_NO_KV_PRELOAD = 4  # attention issues no KV page copy before its dependency wait
+FLAG_OPROJ_RING = 8  # o_proj tiles stream through a per-lane cp.async ring (issued after the task's wait)
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
 
 
@@ -30,6 +31,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "default": Variant(),
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT),  # the default until run 17
+    "oproj-ring": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING),  # not yet run on a GPU (day 2)
     "tail-early": Variant(wave_order="tail-early"),
     "moe-first": Variant(wave_order="moe-first"),
     "qkv-single": Variant(qkv_tiles=1),
