@@ -1,6 +1,7 @@
 """The torch.compile'd decode step (torch_backend/compiled_step.py) on the CPU: the setting, the fallback to the
-eager step, the warm-up check, and (where a C++ compiler exists: inductor's CPU code is C++) the compiled step
-of the tiny model against the eager step over contexts that cross pages and the sliding window."""
+eager step, the warm-up check, the K/V write in the graph inductor gets (one inductor writes in place), and
+(where a C++ compiler exists: inductor's CPU code is C++) the compiled step of the tiny model against the eager
+step over contexts that cross pages and the sliding window."""
 
 from __future__ import annotations
 
@@ -99,6 +100,57 @@ def test_the_warm_up_check_refuses_a_step_that_disagrees_with_the_eager_step(tin
         backend.compiled.compile_bucket(2)
     backend.warm_up()
     assert backend.compiled is None and backend.compile_failure.startswith("CompileCheckError: compiled layer 0")
+
+
+def test_every_compiled_layer_writes_the_kv_pool_itself_so_inductor_writes_it_in_place(tiny):
+    """The graph inductor gets of each layer kind (recorded after AOT autograd, nothing compiled): the K/V write
+    is a scatter whose target is the pool's graph input itself, and the pool input has no other reader than that
+    scatter and the copy back. torch 2.11's reinplace pass (fx_passes/reinplace.py, can_inplace) keeps a scatter
+    into a *view* of a graph input functional: the step then allocates a pool-sized result and copies it back,
+    every layer (run 20 on the H200: 529 MB allocated next to a 527 MB pool). torch 2.13 on this CPU reinplaces
+    both forms, so this graph shape, not the CPU's allocations, is what tells them apart (the CPU's flex template
+    copies K and V anyway: both are views of one buffer)."""
+    from functorch.compile import make_boxed_compiler
+    from torch._dynamo.backends.common import aot_autograd
+
+    config, weights = tiny
+    backend = TorchBackend(config, weights, 64, PAGE, 2, 8, compile=True)
+    compiled, batch = backend.compiled, 2
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    recording = aot_autograd(fw_compiler=make_boxed_compiler(record), keep_inference_input_mutations=True)
+    layer = torch.compile(compiled_step.layer_step, backend=recording, fullgraph=True, dynamic=False)
+    positions = torch.tensor([20, 3])  # a second page and a page start
+    rows = torch.tensor([0, 1])
+    kv = KVCacheManager(config, 64, PAGE, 2, 8)
+    for row, pos in zip(rows.tolist(), positions.tolist()):
+        kv.allocate(row, pos + 1)
+    backend.upload_tables(kv.block_tables, kv.version, kv.high_water)
+    specs = compiled.layer_specs[False]
+    with torch.inference_mode(), compiled_step._dynamo_limits():
+        x, h, cos, sin, write_slots, *views = compiled_step.prepare_step(
+            torch.ones(batch, dtype=torch.long), positions, rows, backend.page_of, backend.embed, backend.inv_freq,
+            backend.layers[0].input_norm, compiled.kind_layers[False], compiled.kind_layers[True], compiled.step_spec)
+        for i in range(config.num_hidden_layers):
+            layer(x, h, compiled.layer_weights[i], backend.kv_pool, cos, sin, write_slots[i],
+                  compiled._layer_view(views, i), compiled.next_norms[i], backend.decoder.expert_range, specs[i])
+    assert len(graphs) == len(set(specs)) >= 2  # one graph per layer kind
+    for graph in graphs:
+        pool = [node for node in graph.graph.nodes if node.op == "placeholder"
+                and tuple(node.meta["val"].shape) == tuple(backend.kv_pool.shape)]
+        assert len(pool) == 1
+        users = list(pool[0].users)
+        writes = [user for user in users if user.target is torch.ops.aten.index_put.default]
+        assert [node.target for node in users if node not in writes] == [torch.ops.aten.copy_.default], (
+            f"the pool input is read by {[str(node.target) for node in users]}: the K/V write goes into a view "
+            "of the pool (or the old pool is read), which torch 2.11's inductor does not do in place")
+        assert len(writes) == 1 and writes[0].args[0] is pool[0]
+        copy_back = next(node for node in users if node not in writes)
+        assert copy_back.args == (pool[0], writes[0])
 
 
 @pytest.mark.skipif(CXX is None, reason="inductor's CPU code needs a C++ compiler")

@@ -7,12 +7,14 @@
 #   bench-on   bench decode --quick --backends torch, compiled step (NORTHCODE_TORCH_COMPILE=1): B = 1, 8 at 8K;
 #              the log has the compile time of each batch bucket ("compiled the decode step for batch N in S s")
 #   bench-off  the same with the eager step (NORTHCODE_TORCH_COMPILE=0): the baseline of the same run
-#   gpu        tests/gpu/test_torch_compile_gpu.py (compiled vs eager: tiny fp32, 5 layers bf16 at 8K, B = 1, 8)
+#   gpu        tests/gpu/test_torch_compile_gpu.py (compiled vs eager: tiny fp32 at B = 8; 5 layers bf16 at 8K, B = 1
+#              and 8, each step's allocation next to the pool): three bucket compiles, ~20 + 60 + 20 s cold
 #   time       (not by default) op_count --time --compiled at B = 1: the compiled step's kernels by device time
 #   bench-gemv8  (not by default) bench-on with NORTHCODE_TORCH_COMPILE_GEMV=8: B = 8 through inductor's GEMVs
 #              and gathered experts (each row reads its 8 experts) instead of cuBLAS and the grouped GEMM
 # Expected (docs/performance.md, torch plan): bench-on B=1 ~4.6 ms (3.8-5.5), B=8 ~16.5 ms (14.5-18.5); bench-off
-# as before (~7.7 / ~20 ms); no "torch.compile of the decode step failed" line; the gpu phase passes (4 tests).
+# as before (~7.7 / ~20 ms); no "torch.compile of the decode step failed" line; the gpu phase passes (3 tests).
+# Time limits: 15 + 170 + 55 + 115 = 355 s for the default phases.
 set -u
 OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"
@@ -37,12 +39,12 @@ from northcode.bench.decode_bench import main
 sys.argv = ["decode_bench"] + sys.argv[1:]
 raise SystemExit(main())'
 
-phase env 20 bash -c 'python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, torch.cuda.get_device_name())"; for c in gcc g++ cc; do printf "%s: " $c; command -v $c || echo missing; done'
+phase env 15 bash -c 'python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, torch.cuda.get_device_name())"; for c in gcc g++ cc; do printf "%s: " $c; command -v $c || echo missing; done'
 phase bench-on 170 env NORTHCODE_TORCH_COMPILE=1 python3 -c "$BENCH" --quick --backends torch --out "$OUT/bench-on"
-phase bench-off 60 env NORTHCODE_TORCH_COMPILE=0 python3 -c "$BENCH" --quick --backends torch --out "$OUT/bench-off"
+phase bench-off 55 env NORTHCODE_TORCH_COMPILE=0 python3 -c "$BENCH" --quick --backends torch --out "$OUT/bench-off"
 phase bench-gemv8 170 env NORTHCODE_TORCH_COMPILE=1 NORTHCODE_TORCH_COMPILE_GEMV=8 python3 -c "$BENCH" --quick \
   --backends torch --out "$OUT/bench-gemv8"
-phase gpu 110 python3 -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_torch_compile_gpu.py
+phase gpu 115 python3 -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_torch_compile_gpu.py
 phase time 120 python3 -m northcode.torch_backend.op_count --time --compiled --batch 1 --context 8192
 
 echo "== phases"; cat "$OUT/compile_phases.txt"

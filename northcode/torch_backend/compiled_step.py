@@ -142,8 +142,10 @@ def layer_step(x: torch.Tensor, h: torch.Tensor, weights: tuple, pool: torch.Ten
     if spec.rope:
         rotated = apply_rope(rotated, cos[:, None], sin[:, None])
     kv = torch.stack([rotated[:, group], qkv[:, group + 1]], dim=1)  # [B, 2, Hkv, D]
-    slots = pool.view(2, -1, kv_heads, head_dim)  # [K or V, slot, Hkv, D]
-    slots.index_put_((torch.arange(2, device=x.device)[None, :], write_slots[:, None]), kv)
+    # into the pool itself, never a view of it: torch 2.11's reinplace pass writes a graph input in place only
+    # when it is the scatter's target; a scatter into a view stays functional: a pool-sized copy every layer
+    pages, offsets = write_slots // spec.page_size, write_slots % spec.page_size  # [B] each
+    pool.index_put_((torch.arange(2, device=x.device)[None, :], pages[:, None], offsets[:, None]), kv)
     queries = rotated[:, :group].permute(0, 2, 1, 3).reshape(batch, kv_heads * group, 1, head_dim)
     attn = paged_attention(queries, pool, view, spec)  # [B, Hq, 1, D]
     x = x + F.linear(attn.reshape(batch, -1), weights[1])
@@ -237,8 +239,9 @@ class CompileCheckError(RuntimeError):
 
 def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: bool = True) -> bool:
     """compile=True/False wins; None: NORTHCODE_TORCH_COMPILE=0/1 when set, else off: opt-in until the compiled
-    step has passed its check on a GPU (its first H200 run, day 2: flex_attention copied the KV pool, the
-    warm-up check refused it after ~60 s of compiling per bucket, and the eager step decoded)."""
+    step has passed its check on a GPU (its first H200 run, day 2: the K/V write, a scatter into a view of the
+    pool, copied the whole pool; the warm-up check refused it after ~60 s of compiling per bucket, and the eager
+    step decoded)."""
     if compile is not None:
         return compile
     chosen = os.environ.get("NORTHCODE_TORCH_COMPILE", "").strip()
@@ -351,8 +354,9 @@ class CompiledDecode:
         return self.ready[batch]
 
     def check_memory(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """CompileCheckError if a step allocates as much as half the KV pool: the K/V were copied, not read in
-        place (what inductor's CPU flex template does; on a GPU it would cost a pool copy per layer)."""
+        """CompileCheckError if a step allocates as much as half the KV pool: the pool was copied, not written and
+        read in place (a K/V write inductor left functional, as in run 20; on a GPU only: torch 2.13's CPU flex
+        template copies K and V, the views of one buffer, whatever the write)."""
         device, pool_bytes = self.backend.device, self.backend.kv_pool.nbytes
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
