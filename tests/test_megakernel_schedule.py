@@ -59,7 +59,8 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
     v = VARIANTS[variant]
     for blocks, context in ((132, 8192), (7, 100)):
         splits = attention_splits(config, batch, blocks, context)
-        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles)
+        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles, v.combine_apart,
+                                  v.up_claims)
         assert schedule.tasks.shape[1] == TASK_WORDS
         counters, _ = simulate(schedule)
         tasks = schedule.tasks.tolist()
@@ -85,6 +86,23 @@ def test_place_waves_round_robin_and_each() -> None:
     assert [len(x) for x in lists] == [4, 3]
     assert torch.tensor(make_task(TaskType.QKV, 2, (1, 2, 3), ((4, 5),), 6)).tolist()[:13] == \
         [2, 2, 1, 2, 3, 0, 0, 0, 4, -1, 5, 0, 6]
+
+
+def test_last_wave_takes_the_last_blocks_and_leaves_the_cursor() -> None:
+    """combine_apart's placement: a "last" wave's tasks go to the last blocks in order; the next plain wave
+    goes on from where the one before the "last" wave stopped."""
+    a, b, c = (make_task(TaskType.NORM, 0, (i,)) for i in range(3))
+    lists = place_waves([[a] * 2, ("last", [b, c]), [a]], 5)
+    assert lists == [[a], [a], [a], [b], [c]]
+    config = preset_config("north-mini-code")
+    schedule = build_schedule(config, 1, 132, attention_splits(config, 1, 132, 8192), combine_apart=True)
+    tasks, starts = schedule.tasks.tolist(), schedule.task_start.tolist()
+    owner = [blk for blk in range(132) for _ in range(starts[blk], starts[blk + 1])]
+    combine_blocks = {owner[i] for i, t in enumerate(tasks) if t[0] == TaskType.COMBINE and t[1] > 0}
+    assert combine_blocks == {128, 129, 130, 131}
+    assert {(t[2], t[4]) for t in tasks if t[0] == TaskType.MOE_UP} == {(4, -1)}  # 4 blocks take no up tile; static
+    eight = build_schedule(config, 8, 132, attention_splits(config, 8, 132, 8192), combine_apart=True)
+    assert {t[2] for t in eight.tasks.tolist() if t[0] == TaskType.MOE_UP} == {0}  # 32 combines: round-robin
 
 
 def test_backend_refuses_a_machine_without_hopper() -> None:
@@ -132,7 +150,8 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
 
 
 def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
-                     qkv_tiles: int, counters: _Counters, previous: tuple, waves: list) -> tuple:
+                     qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, combine_apart: bool,
+                     up_claims: bool) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
@@ -167,11 +186,15 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
         return (oproj_done, len(oproj)), (mlp_done, down_tiles)
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
+    claim = counters.alloc() if up_claims else -1
     router_tiles = math.ceil(c.num_experts / 16)
     waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
                                            for t in range(router_tiles)]),
                                 ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
-    up = ("each", make_task(TaskType.MOE_UP, layer, (0, slot_done), ((topk_done, 1),)))
+    apart = batch * kvh if combine_apart and batch * kvh <= 8 and 2 * batch * kvh <= num_blocks else 0
+    if apart:
+        combine = ("last", combine)
+    up = ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim), ((topk_done, 1),)))
     down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
     waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
               "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
@@ -179,11 +202,13 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
 
 
 def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                              order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
+                              order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
+                              up_claims: bool = False) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
-        previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves)
+        previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves,
+                                    combine_apart, up_claims)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -213,10 +238,12 @@ def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
 
 
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code", "north-mini-code-5"])
-@pytest.mark.parametrize("order", WAVE_ORDERS)
+@pytest.mark.parametrize("order", WAVE_ORDERS + ("attention-first combine-apart", "attention-first combine-apart claims"))
 def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
     """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
     contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
+    order, *options = order.split()
+    apart, claims = "combine-apart" in options, "claims" in options
     config = _preset(preset)
     seen = set()
     for batch in (1, 2, 3, 8):
@@ -228,8 +255,9 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
                         continue
                     seen.add((batch, blocks, splits, qkv_tiles))
                     where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
-                    _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles),
-                                 _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles), where)
+                    _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims),
+                                 _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, apart, claims),
+                                 where)
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:

@@ -350,7 +350,9 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
 template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
                           const bf16* act, int act_stride, int batch, float* red, float* out) {
-  constexpr int U = 4;  // k-chunks in flight per lane (more spills registers at 255)
+  // k-chunks in flight per lane: 8 loads of 16 B either way (two tiles x 4 chunks; more spills registers at
+  // 255); one tile takes 8 chunks, so its K = 2048 product is one round trip, not two (router, o_proj)
+  constexpr int U = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int nchunk = K / 32;
   const bf16* w_lo[NT];
@@ -759,6 +761,7 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
 //   Merge the splits of one (row, KV head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M),
 //   written as bf16 into attn_out [8, Hq*D].
 static_assert(2 * kMaxSplits * 8 <= kWarps * 2 * 128 && kHeadDim % 4 == 0, "combine: scratch in GemmSmem.red, float4 outputs");
+static_assert(kMaxSplits <= 32, "combine: a lane per split");
 __device__ void combine_row(const Params& p, int b, int kvh, int nsplit, float* scratch) {
   float* m_s = scratch;                      // [kMaxSplits][8] each split's running max, then its weight
   float* l_s = scratch + kMaxSplits * 8;     // [kMaxSplits][8] each split's sum
@@ -770,14 +773,14 @@ __device__ void combine_row(const Params& p, int b, int kvh, int nsplit, float* 
     l_s[sp * 8 + hq] = __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2 + 1);
   }
   __syncthreads();
-  if (threadIdx.x < kGroup) {  // weight of split sp for head hq: e^(m_sp - M) / sum_s l_s e^(m_s - M)
-    const int hq = threadIdx.x;
-    float m = -INFINITY, l = 0.f;
-    for (int sp = 0; sp < nsplit; ++sp) m = fmaxf(m, m_s[sp * 8 + hq]);
-    for (int sp = 0; sp < nsplit; ++sp)
-      if (m_s[sp * 8 + hq] != -INFINITY) l += l_s[sp * 8 + hq] * __expf(m_s[sp * 8 + hq] - m);
-    for (int sp = 0; sp < nsplit; ++sp)
-      m_s[sp * 8 + hq] = (m_s[sp * 8 + hq] == -INFINITY || l <= 0.f) ? 0.f : __expf(m_s[sp * 8 + hq] - m) / l;
+  // weight of split sp for head hq: e^(m_sp - M) / sum_s l_s e^(m_s - M); a warp per head, a lane per split
+  // (a serial pass per head took ~2 us of the combine at 32 splits)
+  const int lane = threadIdx.x & 31;
+  for (int hq = threadIdx.x >> 5; hq < kGroup; hq += kWarps) {
+    const float ms = lane < nsplit ? m_s[lane * 8 + hq] : -INFINITY;
+    const float m = warp_max(ms);
+    const float l = warp_sum(ms == -INFINITY ? 0.f : l_s[lane * 8 + hq] * __expf(ms - m));
+    if (lane < nsplit) m_s[lane * 8 + hq] = (ms == -INFINITY || l <= 0.f) ? 0.f : __expf(ms - m) / l;
   }
   __syncthreads();
   for (int idx = 4 * threadIdx.x; idx < kGroup * kHeadDim; idx += 4 * kThreads) {  // 4 outputs a thread, 16 loads in flight
@@ -837,8 +840,10 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
 struct TopkSmem {
   int expert[kMaxBatch][kTopK];
   float weight[kMaxBatch][kTopK];
-  int used[kExperts];
+  int used[kExperts];         // 1 where any row chose the expert
+  int warp_count[kWarps];     // used experts among each warp's 32
 };
+static_assert(kExperts <= kThreads, "top-k: one thread per expert numbers the slots");
 
 __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
   constexpr int kPer = (kExperts + 31) / 32;
@@ -885,36 +890,40 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
   }
 }
 
+// The distinct experts get slots in ascending id order: one thread per expert, a ballot per warp and the
+// warps' counts before it give the slot (no serial pass over the experts: run 21's loops took ~6 us at B=1).
 __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
   TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
-  const int warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = threadIdx.x;
+  if (e < kExperts) s.used[e] = 0;
+  __syncthreads();
   if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
   __syncthreads();
-  for (int e = threadIdx.x; e < kExperts; e += kThreads) {
-    int used = 0;
-    for (int b = 0; b < p.batch_size; ++b)
-      for (int k = 0; k < kTopK; ++k) used |= s.expert[b][k] == e;
-    s.used[e] = used;
-  }
+  if (e < p.batch_size * kTopK) s.used[s.expert[e / kTopK][e % kTopK]] = 1;
   __syncthreads();
-  for (int e = threadIdx.x; e < kExperts; e += kThreads) {
-    if (!s.used[e]) continue;
-    int slot = 0;
-    for (int f = 0; f < e; ++f) slot += s.used[f];
+  const bool used = e < kExperts && s.used[e];
+  const unsigned ballot = __ballot_sync(0xffffffffu, used);
+  if (lane == 0) s.warp_count[warp] = __popc(ballot);
+  __syncthreads();
+  int slot = __popc(ballot & ((1u << lane) - 1u)), total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    slot += w < warp ? s.warp_count[w] : 0;
+    total += s.warp_count[w];
+  }
+  if (used) {
     p.moe_slots[1 + slot] = e;
     for (int b = 0; b < kMaxBatch; ++b) {
       float w = 0.f;
       if (b < p.batch_size)
+#pragma unroll
         for (int k = 0; k < kTopK; ++k)
           if (s.expert[b][k] == e) w = s.weight[b][k];
       p.slot_weight[slot * kMaxBatch + b] = w;
     }
   }
   if (threadIdx.x == 0) {
-    int n = 0;
-    for (int e = 0; e < kExperts; ++e) n += s.used[e];
-    p.moe_slots[0] = n;
-    p.expert_counts[t.layer] = n;
+    p.moe_slots[0] = total;
+    p.expert_counts[t.layer] = total;
   }
 }
 
@@ -923,7 +932,8 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 // ====  11. Tasks: MOE_UP and MOE_DOWN (streamed, statically shared)  ==========================
 //   Every SM runs one MOE_UP and one MOE_DOWN per layer. Once TOPK has written the slots, the work is
 //   known: up tiles u = (slot, 16 channels) taken round-robin (block r: u = r, r + blocks, ...: slots
-//   finish in order), down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
+//   finish in order; MOE_UP's arg0 last blocks take none, combine_apart; or, where MOE_UP's arg2 names a
+//   counter, claimed from it in order a few tiles ahead, so that blocks leaving attention late take fewer), down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
 //   slot, so its activation rows are loaded once per slot). Each lane streams its own pieces of the
 //   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
 //   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
@@ -946,10 +956,16 @@ struct MoeStream {  // one lane's view of a task's weight stream: tile i of the 
   int kind;          // StreamKind: which weights, and K (H for up, I for down)
   int first, stride, count, steps;  // the block's tiles: first + i * stride, i < count; steps per tile (this warp)
   uint4* ring;
+  int* claimed;   // up claims (MOE_UP arg2 >= 0), else null: shared memory, the block's i-th tile at [i & 7]
+  int lookahead;  // claims: tiles claimed ahead of the one being multiplied (the ring reaches that far)
+  int total;      // tiles of the layer
 };
+constexpr int kClaimRing = 8;
+static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts and the claims share GemmSmem.best");
 
 // The tile index of the block's i-th tile, or -1 past its last.
 __device__ __forceinline__ int moe_tile_of(const MoeStream& st, int i) {
+  if (st.claimed) return st.claimed[i & (kClaimRing - 1)];
   return i < st.count ? st.first + i * st.stride : -1;
 }
 
@@ -1016,15 +1032,29 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks;
   const int rank = blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
+  // claims (MOE_UP arg2 >= 0): the block's first `lookahead` tiles from the layer's counter, the atomic in flight
+  // with the slots' load; the ring reaches `lookahead` - 1 tiles ahead of the one multiplied
+  const bool claims = up && t.arg[2] >= 0, claimer = claims && rank < blocks - t.arg[0];
+  const int min_steps = max(1, nchunk / kWarps), lookahead = (kMoeStages + min_steps - 1) / min_steps + 1;
+  unsigned claim_base = 0;
+  if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + t.arg[2], (unsigned)lookahead);
   __syncthreads();  // the previous user of this memory is done
   for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
+  if (claims && threadIdx.x == 0) {
+    const int total = slots * kUpTilesPerSlot, base = claimer ? (int)claim_base : total;
+    for (int j = 0; j < lookahead; ++j) experts[kExperts + j] = base + j < total ? base + j : -1;
+  }
   __syncthreads();
   MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up ? STREAM_UP : STREAM_DOWN, 0, 1, 0,
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
-               reinterpret_cast<uint4*>(smem + kMoeRingOffset)};
-  if (up) {  // round-robin
-    const int total = slots * (up ? kUpTilesPerSlot : kDownTilesPerSlot);
-    st.first = rank, st.stride = blocks, st.count = rank < total ? (total - rank + blocks - 1) / blocks : 0;
+               reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * kUpTilesPerSlot};
+  static_assert(kMoeStages + 2 <= kClaimRing, "claims: tiles i .. i + lookahead (<= kMoeStages + 1) fit the ring");
+  if (claims) {
+    st.claimed = experts + kExperts;
+  } else if (up) {  // round-robin over all but the last t.arg[0] blocks (they run the combine: combine_apart)
+    const int total = slots * kUpTilesPerSlot, up_blocks = blocks - t.arg[0];
+    st.first = rank, st.stride = up_blocks;
+    st.count = rank < up_blocks && rank < total ? (total - rank + up_blocks - 1) / up_blocks : 0;
   } else {  // contiguous
     const int total = slots * kDownTilesPerSlot;
     st.first = (int)((long long)total * rank / blocks);
@@ -1046,8 +1076,14 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   for (int i = 0;; ++i) {
     const int tile = moe_tile_of(st, i);
     if (tile < 0) break;
+    // claims: tile i + lookahead, asked for now and written after the product (the atomic's round trip hides
+    // behind it); the ring first needs it during tile i + 1, after the reduction's barrier
+    const bool claiming = st.claimed != nullptr && threadIdx.x == 0;
+    unsigned claim = 0;
+    if (claiming) claim = atomicAdd(p.counters + t.arg[2], 1u);
     float acc[2][4];
     moe_tile_product<kUpSteps>(st, i, xa, acc);
+    if (claiming) st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
     reduce_warps<2>(acc, s.red, s.out);
     const int slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;
     const int r = threadIdx.x >> 3, b = threadIdx.x & 7;

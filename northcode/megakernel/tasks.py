@@ -30,6 +30,10 @@ TASK_WORDS = 16
 # tail-early: ATTN, COMBINE, UP, OPROJ, DOWN (o_proj streams between the up and down phases, not after);
 # oproj-before-down: ATTN, UP, COMBINE, OPROJ, DOWN.
 WAVE_ORDERS = ("attention-first", "moe-first", "tail-early", "oproj-before-down")
+# combine_apart: a sparse layer's COMBINE tasks go to the last blocks, which take no MoE up tiles, so the combine
+# runs as soon as attention is done instead of after an up share (run 21: 5.6 us late at B=1). Only while the
+# COMBINE tasks are few (batch x KV heads): every excluded block lengthens the others' up shares.
+COMBINE_APART_MAX = 8
 
 
 class TaskType(IntEnum):  # mirrors TaskType in csrc/megakernel.cu
@@ -81,13 +85,19 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
     """Round-robin each wave's tasks over the blocks, the cursor carried across waves; a ("each", task)
     wave puts one copy on every block (the drains); an ("apart", tasks) wave is placed like a plain one, and
     the next plain wave skips the blocks it used while other blocks remain (the router's and top-k's blocks
-    get no QKV tile: the MoE chain runs through them)."""
+    get no QKV tile: the MoE chain runs through them); a ("last", tasks) wave puts its n tasks on the last n
+    blocks, in order, and moves no cursor (combine_apart)."""
     lists: list[list[list[int]]] = [[] for _ in range(num_blocks)]
     cursor, avoid = 0, set()
     for wave in waves:
         if isinstance(wave, tuple) and wave[0] == "each":
             for block_tasks in lists:
                 block_tasks.append(list(wave[1]))
+            continue
+        if isinstance(wave, tuple) and wave[0] == "last":
+            assert len(wave[1]) <= num_blocks
+            for i, task in enumerate(wave[1]):
+                lists[num_blocks - len(wave[1]) + i].append(task)
             continue
         apart = isinstance(wave, tuple)
         tasks = wave[1] if apart else wave
@@ -121,7 +131,7 @@ def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: 
 class _WaveSpec(NamedTuple):
     """One wave for build_schedule: n tasks, task i = row + pattern[i]."""
 
-    mode: str  # "plain" | "apart" | "each": place_waves' wave kinds ("each": n is 1, one copy per block)
+    mode: str  # "plain" | "apart" | "each" | "last": place_waves' wave kinds ("each": n is 1, one copy per block)
     row: list[int]  # make_task record: the fixed fields, and the offsets of the varying ones
     n: int
     pattern: torch.Tensor  # int32 [n, 16], zero but in the varying fields; shared, e.g. by every layer's QKV wave
@@ -180,9 +190,9 @@ class _WaveMaker:
 
 
 def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
-                     num_splits: int) -> tuple[list, tuple[int, int]]:
-    """One layer's QKV, ATTN, COMBINE and OPROJ waves; also allocates the layer's MLP counter (returned with
-    the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order."""
+                     num_splits: int, combine_mode: str = "plain") -> tuple[list, tuple[int, int]]:
+    """One layer's QKV, ATTN, COMBINE (placed as combine_mode says) and OPROJ waves; also allocates the layer's
+    MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order."""
     batch, kvh = m.batch, m.kvh
     qkv_done = counters.alloc(kvh)
     qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer))),
@@ -192,7 +202,7 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
     b, g, s, head, group_tasks = m.attention(num_splits)
     attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, c.window(layer) or 0),
                   (((qkv_done, g), (0, group_tasks)),), (attn_done, head))
-    combine = m.wave("plain", TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
+    combine = m.wave(combine_mode, TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
                      (((attn_done, m.heads), num_splits),), combine_done)
     oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, ((0, m.arange(m.oproj_tiles)), 1),
                    ((combine_done, batch * kvh),), oproj_done)
@@ -200,11 +210,13 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
 
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
-                 order: str, num_blocks: int) -> tuple[list, tuple]:
+                 order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False) -> tuple[list, tuple]:
     """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on."""
     norm_done = counters.alloc()
     norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
-    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits)
+    apart = combine_blocks_apart(c, m.batch, num_blocks, combine_apart and not c.is_dense(layer))
+    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits,
+                                                                           "last" if apart else "plain")
     oproj_tiles = oproj.n
     if c.is_dense(layer):
         up_done = counters.alloc()
@@ -216,17 +228,26 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
         return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
+    claim = counters.alloc() if up_claims else -1
     router_tiles = math.ceil(c.num_experts / 16)
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
     router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)), 1),
                     ((norm_done, m.batch),), router_done)
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
-    # arg0 unused; arg1: the first "slot done" counter (static shares: claims measured no faster, run 10)
-    up = m.wave("each", TaskType.MOE_UP, layer, 1, (0, slot_done), ((topk_done, 1),))
+    # arg0: the last blocks that take no up tile (combine_apart); arg1: the first "slot done" counter; arg2: the
+    # counter up tiles are claimed from (up_claims), or -1: static round-robin shares
+    up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim), ((topk_done, 1),))
     down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), ((topk_done, 1),), mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+
+
+def combine_blocks_apart(config: ModelConfig, batch: int, num_blocks: int, wanted: bool) -> int:
+    """How many last blocks hold a sparse layer's COMBINE tasks and no up tile: batch x KV heads where wanted
+    and they are few (COMBINE_APART_MAX) next to the blocks, else 0 (the combine placed round-robin)."""
+    n = batch * config.num_key_value_heads
+    return n if wanted and n <= COMBINE_APART_MAX and 2 * n <= num_blocks else 0
 
 
 def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context: int) -> list[int]:
@@ -251,11 +272,13 @@ def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context
 
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                   order: str = "attention-first", qkv_tiles: int = 1) -> Schedule:
+                   order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
+                   up_claims: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
-    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight). Waves are
+    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight). combine_apart:
+    COMBINE_APART_MAX's placement. up_claims: blocks claim MoE up tiles from a per-layer counter. Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
     place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
@@ -264,7 +287,8 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
-        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks)
+        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
+                                             combine_apart, up_claims)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))
@@ -284,13 +308,14 @@ def _wave_tables(waves: list, num_blocks: int) -> tuple[list[int], list[int], li
     """place_waves' cursor rule, per wave: task i of wave w goes to block table[start_w + (first_w + i) % m_w],
     where the table's m_w entries from start_w are the blocks the wave may use, in order (all blocks, or
     all but those the "apart" waves since the last plain one used). An "each" wave has num_blocks copies,
-    copy i on block i, and moves no cursor. Returns the flat table and first, m, start per wave."""
+    copy i on block i, and moves no cursor; a "last" wave of n tasks puts task i on block num_blocks - n + i
+    and moves no cursor either. Returns the flat table and first, m, start per wave."""
     every, all_blocks = list(range(num_blocks)), set(range(num_blocks))
     table, firsts, moduli, starts = list(every), [], [], []
     cursor, avoid = 0, set()
     for mode, _, n, _ in waves:  # _WaveSpec
-        if mode == "each":
-            firsts.append(0), moduli.append(num_blocks), starts.append(0)
+        if mode in ("each", "last"):
+            firsts.append(0 if mode == "each" else num_blocks - n), moduli.append(num_blocks), starts.append(0)
             continue
         skip = avoid if len(avoid) < num_blocks else set()
         allowed = sorted(all_blocks - skip) if skip else every

@@ -25,13 +25,15 @@ class Variant:
     kv_stages: int = 3
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
+    combine_apart: bool = False  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
+    up_claims: bool = False  # MoE up tiles claimed from a per-layer counter instead of static round-robin shares
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
     "default": Variant(),
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT),  # the default until run 17
-    "oproj-ring": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING),  # not yet run on a GPU (day 2)
+    "oproj-ring": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING),  # runs 21, 25: -0.7%, -2.7% at B=1
     "tail-early": Variant(wave_order="tail-early"),
     "moe-first": Variant(wave_order="moe-first"),
     "qkv-single": Variant(qkv_tiles=1),
@@ -39,6 +41,15 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "kv-stages-2": Variant(kv_stages=2),
     "kv-stages-5": Variant(kv_stages=5),
     "oproj-before-down": Variant(wave_order="oproj-before-down"),
+    "combine-apart": Variant(combine_apart=True),  # run 25: -2.2% at B=1 (B=8: not applied)
+    # day 3, with combine-apart: o_proj behind the combine, not behind the down share (whose slots finish late)
+    "apart-ring": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING, combine_apart=True),
+    "apart-oproj-first": Variant(wave_order="oproj-before-down", combine_apart=True),
+    "apart-oproj-first-ring": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING, wave_order="oproj-before-down",
+                                      combine_apart=True),
+    # day 3: every slot waits for up tiles on the blocks that leave attention last (run 26's profile); claims
+    "claims": Variant(up_claims=True),
+    "apart-ring-claims": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING, combine_apart=True, up_claims=True),
 }
 
 

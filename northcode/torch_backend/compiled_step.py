@@ -316,8 +316,10 @@ class CompiledDecode:
         return _COMPILED[gemv]
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 num_full_pages: int | None = None) -> torch.Tensor:
-        """token_ids, positions, rows: long [B] -> fp32 logits [B, V]; K/V of the new tokens written."""
+                 num_full_pages: int | None = None, residuals: list | None = None) -> torch.Tensor:
+        """token_ids, positions, rows: long [B] -> fp32 logits [B, V]; K/V of the new tokens written.
+        residuals: a list to append the residual stream [B, H] to, the embedding and then after each layer
+        (tests trace where two paths part; never inside a CUDA graph)."""
         backend, batch = self.backend, token_ids.shape[0]
         prepare, layer, head = self.functions(batch)
         specs = self.layer_specs[self.uses_gemv(batch)]
@@ -326,8 +328,12 @@ class CompiledDecode:
                 token_ids, positions, rows, backend.page_of, backend.embed, backend.inv_freq,
                 backend.layers[0].input_norm, self.kind_layers[False], self.kind_layers[True], self.step_spec)
             for i in range(self.config.num_hidden_layers):
+                if residuals is not None:
+                    residuals.append(x.clone())
                 x, h = layer(x, h, self.layer_weights[i], backend.kv_pool, cos, sin, write_slots[i],
                              self._layer_view(views, i), self.next_norms[i], backend.decoder.expert_range, specs[i])
+            if residuals is not None:
+                residuals.append(x.clone())
             return head(h, backend.lm_head, self.step_spec)
 
     def _layer_view(self, views: list, i: int) -> tuple:

@@ -197,15 +197,21 @@ class DecodeStep:
     # --- the whole step ---
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 num_full_pages: int) -> torch.Tensor:
-        """token_ids, positions, rows: long [B] -> fp32 logits [B, V]; K/V of the new tokens written."""
+                 num_full_pages: int, residuals: list | None = None) -> torch.Tensor:
+        """token_ids, positions, rows: long [B] -> fp32 logits [B, V]; K/V of the new tokens written.
+        residuals: a list to append the residual stream [B, H] to, the embedding and then after each layer
+        (tests trace where two paths part; never inside a CUDA graph)."""
         backend = self.backend
         with torch.profiler.record_function("step.prepare"):
             step = self.prepare(positions, rows, num_full_pages)
             x = F.embedding(token_ids, backend.embed)  # [B, H], a fresh tensor: the layers add into it
         for i in range(self.config.num_hidden_layers):
+            if residuals is not None:
+                residuals.append(x.clone())
             with torch.profiler.record_function(f"layer.{layer_kind(self.config, i)}"):
                 x = self.layer(i, x, step)
+        if residuals is not None:
+            residuals.append(x.clone())
         with torch.profiler.record_function("step.lm_head"):
             return backend.logits(x)
 

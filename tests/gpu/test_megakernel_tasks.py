@@ -177,7 +177,7 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     and the routed experts' output match the reference computed with the kernel's choice (flags as
     $NC_VARIANT sets them)."""
     from northcode.bench.decode_oracle import route_weights
-    from northcode.megakernel.kernel import TaskType, make_task
+    from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
     from northcode.model.model import run_experts
 
     config, weights, model, cache, kernel = env(geometry)
@@ -186,11 +186,13 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     kernel.h.copy_(h)
     kernel.x.copy_(x)
     router_tiles = -(-config.num_experts // 16)
-    # counters: 0 router done, 1 topk done, 2 up head, 3 down head, 4.. slot done
+    # counters: 0 router done, 1 topk done, 2 up tiles claimed (the variant's up_claims, else static shares),
+    # 3 unused, 4.. slot done
+    claims = 2 if VARIANTS[variant_from_env()].up_claims else -1
     waves = [[make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)],
              [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
-             ("each", make_task(TaskType.MOE_UP, layer, (2, 4), ((1, 1),))),
-             ("each", make_task(TaskType.MOE_DOWN, layer, (3, 4), ((1, 1),)))]
+             ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
+             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.router_logits.zero_()

@@ -2,7 +2,8 @@
 CUDA graphs: the tiny model in fp32 (logits to fp32 rounding, 24 steps across pages and the window, batch bucket
 8 only: the tiny shapes check the paged views and the padded rows, not the batch-1 GEMVs), and the first 5
 layers of North Mini Code in bf16 decoding from random 8K caches (each layer teacher-forced within the bf16
-bounds of tests/gpu/test_engine_gpu.py, the logits of a few steps at cosine >= 0.95, and a step that allocates
+bounds of tests/gpu/test_engine_gpu.py; end to end, each row's residual stream and logits within them up to the
+first router near-tie (trace_rows), and a step that allocates
 far less than the KV pool: the pages are written and read in place), at batch 1 (inductor's GEMVs, gathered
 experts read in place) and batch 8 (cuBLAS, grouped GEMM). Every compile must succeed (no fallback), one graph
 per batch bucket serves every context, and no step after the first compiles. Three buckets compile in all
@@ -15,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
 from northcode.engine.kv_cache import KVCacheManager
@@ -22,10 +24,11 @@ from northcode.engine.kv_cache import KVCacheManager
 pytestmark = pytest.mark.gpu
 
 BF16_COS_MIN, BF16_REL_TOL = 0.999, 0.05  # per layer, as the 49-layer bf16 test of test_engine_gpu.py
-# 5 bf16 layers end to end: the two paths' roundings differ, so a router near-tie (gap under ~1e-2, a few % of
-# (row, layer) pairs) can pick another expert in one layer, which moves a row's logits to cosine ~0.99; garbage
-# gives ~0. The per-layer check (teacher-forced, same input to both) is the strict one.
-LOGITS_COS_MIN = 0.95
+# End to end, the two paths' roundings differ, and with random weights the router's k-th/(k+1)-th gap is within
+# that at every few (row, layer) pairs: one other expert moves a row's logits anywhere (run 24: cosine 0.77).
+# So a row is held to BF16_COS_MIN end to end only while its routing is clear of near-ties on both paths
+# (gap >= ROUTER_GAP_TOL, as bench/decode_check.py); a row with a near-tie is held to it up to that layer.
+ROUTER_GAP_TOL = 0.05
 
 
 def test_tiny_compiled_graph_equals_the_eager_graphs_over_pages_and_the_window(tiny_checkpoint):
@@ -101,13 +104,11 @@ def test_five_layers_of_north_mini_code_compiled_equal_eager_at_8k_in_place(widt
     eager, compiled = backends
     rows = list(range(batch))
     token_ids = [1000 + 37 * b for b in rows]
-    end_to_end = []  # (finite, worst row's cosine) per step: asserted after the strict per-layer check below
+    end_to_end = []  # per step, the rows' failures: asserted after the strict per-layer check below
     for step in range(steps):
         positions = [n + step for n in lengths]
         got = [b.decode(DecodeBatch(rows, token_ids, positions, [], False, True, tables, 0)).logits for b in backends]
-        cos = torch.nn.functional.cosine_similarity(got[1], got[0], dim=-1)
-        print(f"B={batch} step {step}: logits cosine compiled vs eager per row {[round(c, 5) for c in cos.tolist()]}")
-        end_to_end.append((bool(torch.isfinite(got[1]).all()), cos.min().item()))
+        end_to_end.append(trace_rows(eager, compiled, token_ids, positions, got, f"B={batch} step {step}"))
     assert compiled.compile_failure is None and not compiled.capture_failures
     assert set(compiled.graphs) == {(batch, ANY_CONTEXT)}
     print(f"B={batch}: compile seconds {compiled.compiled.ready}")
@@ -121,7 +122,56 @@ def test_five_layers_of_north_mini_code_compiled_equal_eager_at_8k_in_place(widt
         assert cos >= BF16_COS_MIN and rel <= BF16_REL_TOL, part
     print(f"compiled B={batch} step at 8K: {extra / 1e6:.1f} MB allocated next to a {pool_bytes / 1e6:.0f} MB pool")
     assert extra < pool_bytes / 4  # a copy of the pool (run 20: a K/V write left functional) takes all of it
-    assert all(finite and cos >= LOGITS_COS_MIN for finite, cos in end_to_end), end_to_end
+    assert not any(end_to_end), end_to_end
+
+
+def trace_rows(eager, compiled, token_ids: list[int], positions: list[int], graph_logits: list[torch.Tensor],
+               where: str) -> list[str]:
+    """Both steps again at the same positions outside their graphs, recording the residual stream after every
+    layer; the failures (empty: none) of each row's end-to-end check. Prints each row's logits cosine, the first
+    layer whose router is near a tie on either path (or the experts differ), and that gap."""
+    cfg = eager.config
+    with torch.inference_mode():
+        inputs = [torch.tensor(values, device="cuda") for values in (token_ids, positions, list(range(len(positions))))]
+        paths = {"eager": [], "compiled": []}
+        pages = -(-(max(positions) + 1) // eager.page_size)
+        logits = {"eager": eager.decoder(*inputs, pages, residuals=paths["eager"]),
+                  "compiled": compiled.compiled(*inputs, residuals=paths["compiled"])}
+        failures = []
+        if not torch.allclose(logits["compiled"], graph_logits[1], atol=1e-3, rtol=1e-3):
+            failures.append(f"{where}: the compiled graph's logits differ from its functions' outside the graph")
+        ties = [None] * len(positions)  # row -> (first layer near a tie, its gap)
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_dense(i):
+                continue
+            for name in paths:  # the router on this path's input to layer i
+                backend = eager if name == "eager" else compiled
+                h = backend.norm(paths[name][i], backend.layers[i].input_norm)
+                router = F.linear(h, backend.qkv_proj[i])[:, backend.qkv_size:].float()
+                top = router.topk(cfg.num_experts_per_tok + 1, dim=-1)
+                gaps = (top.values[:, -2] - top.values[:, -1]).tolist()
+                chosen = top.indices[:, :-1].sort(dim=-1).values
+                if name == "eager":
+                    eager_chosen = chosen
+                same = (chosen == eager_chosen).all(dim=-1).tolist()
+                for row, (gap, agree) in enumerate(zip(gaps, same)):
+                    if ties[row] is None and (gap < ROUTER_GAP_TOL or not agree):
+                        ties[row] = (i, gap)
+        last = cfg.num_hidden_layers
+        for row in range(len(positions)):
+            upto = last if ties[row] is None else ties[row][0]  # residuals 0..upto are inputs before the tie
+            cos_x = [F.cosine_similarity(paths["compiled"][j][row].float(), paths["eager"][j][row].float(), dim=0).item()
+                     for j in range(upto + 1)]
+            cos_logits = F.cosine_similarity(graph_logits[1][row], graph_logits[0][row], dim=0).item()
+            tie = "none" if ties[row] is None else f"layer {ties[row][0]} gap {ties[row][1]:.4f}"
+            print(f"{where} row {row}: logits cosine {cos_logits:.5f}, first router near-tie {tie}, "
+                  f"residual cosine up to it {min(cos_x):.5f}")
+            if not torch.isfinite(graph_logits[1][row]).all():
+                failures.append(f"{where} row {row}: logits not finite")
+            if min(cos_x) < BF16_COS_MIN or (ties[row] is None and cos_logits < BF16_COS_MIN):
+                failures.append(f"{where} row {row}: cosine {min(cos_x):.5f} (residuals), {cos_logits:.5f} "
+                                f"(logits) with no router near-tie before ({tie})")
+    return failures
 
 
 def step_bytes(step, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> int:
