@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"
 export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NC_REPORT="$OUT/report.jsonl" NORTHCODE_REQUIRE_GPU=1
 export NC_TEST_STEPS=${NC_TEST_STEPS:-16} NC_TINY_STEPS=${NC_TINY_STEPS:-32} PYTHONUNBUFFERED=1 NC_VARIANTS=${NC_VARIANTS:-default}
-BENCH_VARIANTS=${BENCH_VARIANTS:-"megakernel/prefetch-both"}
+BENCH_VARIANTS=${BENCH_VARIANTS:-"megakernel/day2-default"}
 : > "$OUT/phases.txt"
 phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, record rc and seconds
   local name=$1 limit=$2 t0=$SECONDS rc

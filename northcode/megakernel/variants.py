@@ -15,41 +15,38 @@ FLAG_OPROJ_RING = 8  # o_proj tiles stream through a per-lane cp.async ring (iss
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
 
 
+DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING  # run 17: the next task's prefetch too was 5% slower at B=1
+
+
 @dataclass(frozen=True, slots=True)
 class Variant:
     """How one decode step is run: Params.flags, the attention ring's stages, and build_schedule's options.
     Every variant runs the one kernel: a variant that needs other code generation is not a variant
     (docs/performance.md, run 4: a second kernel's code generation cost more than its ideas gained)."""
 
-    flags: int = FLAG_PREFETCH_CURRENT  # run 17: the next task's prefetch too was 5% slower at B=1, 2% at B=8
+    flags: int = DEFAULT_FLAGS
     kv_stages: int = 3
     wave_order: str = "attention-first"
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
-    combine_apart: bool = False  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
-    up_claims: bool = False  # MoE up tiles claimed from a per-layer counter instead of static round-robin shares
+    combine_apart: bool = True  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
+    up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
-    "default": Variant(),
-    "no-prefetch": Variant(flags=0),
-    "prefetch-both": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_PREFETCH_NEXT),  # the default until run 17
-    "oproj-ring": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING),  # runs 21, 25: -0.7%, -2.7% at B=1
+    "default": Variant(),  # day 3 (runs 25-28): o_proj ring, combine apart, up claims
+    "day2-default": Variant(flags=FLAG_PREFETCH_CURRENT, combine_apart=False, up_claims=False),  # until run 28
+    "register-oproj": Variant(flags=FLAG_PREFETCH_CURRENT),  # o_proj through the register product
+    "no-combine-apart": Variant(combine_apart=False),
+    "no-claims": Variant(up_claims=False),
+    "no-prefetch": Variant(flags=FLAG_OPROJ_RING),
+    "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
+    "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),
     "tail-early": Variant(wave_order="tail-early"),
     "moe-first": Variant(wave_order="moe-first"),
+    "oproj-before-down": Variant(wave_order="oproj-before-down"),  # run 26 (with combine apart): -0.3%
     "qkv-single": Variant(qkv_tiles=1),
-    "no-kv-preload": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_NO_KV_PRELOAD),
     "kv-stages-2": Variant(kv_stages=2),
     "kv-stages-5": Variant(kv_stages=5),
-    "oproj-before-down": Variant(wave_order="oproj-before-down"),
-    "combine-apart": Variant(combine_apart=True),  # run 25: -2.2% at B=1 (B=8: not applied)
-    # day 3, with combine-apart: o_proj behind the combine, not behind the down share (whose slots finish late)
-    "apart-ring": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING, combine_apart=True),
-    "apart-oproj-first": Variant(wave_order="oproj-before-down", combine_apart=True),
-    "apart-oproj-first-ring": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING, wave_order="oproj-before-down",
-                                      combine_apart=True),
-    # day 3: every slot waits for up tiles on the blocks that leave attention last (run 26's profile); claims
-    "claims": Variant(up_claims=True),
-    "apart-ring-claims": Variant(flags=FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING, combine_apart=True, up_claims=True),
 }
 
 
