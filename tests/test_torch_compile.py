@@ -48,7 +48,7 @@ def decode(kv, backend, tokens: list[int], positions: list[int]) -> torch.Tensor
     return backend.decode(batch).logits
 
 
-def test_compile_follows_the_argument_then_the_environment_and_is_off_on_the_cpu(tiny, monkeypatch):
+def test_compile_follows_the_argument_then_the_environment_and_is_on_for_gpu_graphs_only(tiny, monkeypatch):
     config, weights = tiny
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("NORTHCODE_TORCH_COMPILE", raising=False)
@@ -56,6 +56,7 @@ def test_compile_follows_the_argument_then_the_environment_and_is_off_on_the_cpu
     assert TorchBackend(config, weights, 16, PAGE, 2, 8).compiled is None
     assert compile_requested(True, cpu) and not compile_requested(False, cuda)
     assert not compile_requested(None, cuda, cuda_graphs=False)  # a prefiller or a reference: nothing to compile
+    assert compile_requested(None, cuda)  # the GPU's default: the compiled step in its CUDA graph
     monkeypatch.setenv("NORTHCODE_TORCH_COMPILE", "1")
     assert compile_requested(None, cpu) and not compile_requested(False, cpu)
     assert isinstance(TorchBackend(config, weights, 16, PAGE, 2, 8).compiled, CompiledDecode)

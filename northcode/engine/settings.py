@@ -28,8 +28,9 @@ class EngineSettings:
     device: str = "auto"  # auto: cuda when available, else cpu
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True  # decode step in a CUDA graph per batch size (GPU only)
-    compile: bool = False  # torch.compile the decode step before graph capture (GPU only; measured on the
-    # H200 at 8K context: 272 s to compile batch 1 and no faster than the plain graph, so off by default)
+    # torch backend: torch.compile the decode step before graph capture (torch_backend/compiled_step.py); None:
+    # NORTHCODE_TORCH_COMPILE=0/1 when set, else on with CUDA graphs on a GPU (compiled_step.compile_requested)
+    compile: bool | None = None
     seed: int | None = None  # draws the seeds of requests that give none; None: fresh entropy
     # the step watchdog (watchdog.py): a step (its prefill chunks, decode and sampling) that runs longer than
     # this ends its requests with an error and restarts the backend; None: no watchdog. 30 s is hundreds of

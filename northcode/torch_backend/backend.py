@@ -13,7 +13,7 @@ graphs of the decode step.
   - decode (decode_step.py) runs one step in a CUDA graph per (batch bucket, context bucket) over static
     input buffers on a GPU, eagerly on the CPU; the same code either way. Context buckets grow by an
     eighth of an octave (16, 18, 20, ... pages), so a graph reads at most ~12% more pages than needed.
-    With compile on (opt-in: NORTHCODE_TORCH_COMPILE=1 or compile=True, until it passes on a GPU) it is
+    With compile on (the default with CUDA graphs on a GPU; NORTHCODE_TORCH_COMPILE=0/1 or compile= decide) it is
     compiled_step.py's torch.compile'd one instead: compiled and checked against the eager step per batch
     bucket at warm-up, one graph per batch bucket for every context (key (bucket, ANY_CONTEXT)); a compile
     that fails is logged once (`compile_failure`) and the eager step decodes from then on.
@@ -80,8 +80,8 @@ class TorchBackend:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], num_pages: int, page_size: int,
                  max_batch: int, max_pages_per_seq: int, cuda_graphs: bool = True, compile: bool | None = None) -> None:
-        """compile: torch.compile the decode step (compiled_step.py); None: NORTHCODE_TORCH_COMPILE (default off:
-        compiled_step.compile_requested says why). A compile that fails or disagrees with the eager step at
+        """compile: torch.compile the decode step (compiled_step.py); None: NORTHCODE_TORCH_COMPILE, else on with
+        CUDA graphs on a GPU (compiled_step.compile_requested). A compile that fails or disagrees with the eager step at
         warm-up is logged once (compile_failure) and the eager step decodes instead."""
         check_weights(config, weights)
         self.config = config

@@ -14,6 +14,7 @@ And the kernel count of one decode step on CUDA (op_count.count_cuda_kernels), p
 bf16 step captured at batch 8 (the capture that failed on the H200); the garbage collector held off during a
 capture (a dead backend's graphs destroyed inside it most likely made it fail); and a capture made to fail
 on purpose: the bucket decodes eagerly and the CUDA generator still works.
+Every backend here runs the eager step (compile=False); tests/gpu/test_torch_compile_gpu.py checks the compiled one.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def make_paged(config, weights, rows: int, pages_per_row: int):
     num_pages = rows * pages_per_row
     max_pages = -(-(CONTEXT + DECODE_STEPS + 64) // 64)
     kv = KVCacheManager(config, num_pages, 64, rows, max_pages)
-    return kv, TorchBackend(config, weights, num_pages, 64, rows, max_pages, cuda_graphs=True)
+    return kv, TorchBackend(config, weights, num_pages, 64, rows, max_pages, cuda_graphs=True, compile=False)
 
 
 def paged_prefill(kv, backend, row: int, tokens: list[int]) -> torch.Tensor:
@@ -224,11 +225,11 @@ def test_a_backend_dropped_during_a_capture_is_not_collected_inside_it(tiny_chec
     from northcode.torch_backend.backend import TorchBackend
 
     config, weights = load_checkpoint(tiny_checkpoint, device=torch.device("cuda"), dtype=torch.float32)
-    first = TorchBackend(config, weights, 64, 16, 4, 16)
+    first = TorchBackend(config, weights, 64, 16, 4, 16, compile=False)
     first.warm_up()
     dead, holder = weakref.ref(first), [first]
     del first
-    second = TorchBackend(config, weights, 64, 16, 4, 16)
+    second = TorchBackend(config, weights, 64, 16, 4, 16, compile=False)
     real_step, seen = second.decode_step, []
 
     def dropping_step(*args):
@@ -267,7 +268,7 @@ def test_a_failed_capture_decodes_eagerly_and_leaves_the_cuda_generator_usable(t
         return backend.decode(DecodeBatch([0], [tokens[29]], [29], [], False, True, kv.block_tables, kv.version,
                                           kv.high_water)).logits
 
-    broken = TorchBackend(config, weights, 64, 16, 4, 16)
+    broken = TorchBackend(config, weights, 64, 16, 4, 16, compile=False)
     real_step = broken.decode_step
 
     def syncing_step(*args):  # a host sync inside the capture: the capture fails, eager steps do not
@@ -303,7 +304,7 @@ def test_tiny_engine_on_the_gpu_matches_the_reference_and_reuses_prefixes(tiny_c
 
     reference = NorthModel.from_dir(tiny_checkpoint, device="cuda", dtype=torch.float32)
     engine = Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cuda", dtype="float32", page_size=16,
-                                                                   chunk_size=24, num_pages=80, seed=0))
+                                                                   chunk_size=24, num_pages=80, seed=0, compile=False))
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(20, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (5, 30, 61, 90)]

@@ -54,7 +54,7 @@ def engine_of(checkpoint, backend: str, **settings):
     from northcode.engine.engine import Engine
     from northcode.engine.settings import EngineSettings
 
-    defaults = dict(device="cuda", num_pages=256, seed=0, backend=backend)
+    defaults = dict(device="cuda", num_pages=256, seed=0, backend=backend, compile=False)  # the eager torch step: a reference
     engine = Engine.from_model_dir(checkpoint, EngineSettings(**{**defaults, **settings}))
     assert engine.backend.name == backend and engine._pipelined(), engine.stats()["backend_reason"]
     return engine
