@@ -264,6 +264,7 @@ class TorchBackend:
             self.compile_failure = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
             log.warning("torch.compile of the decode step failed for batch %d (%s); decoding with the eager step",
                         bucket, self.compile_failure)
+            log.info("the compile's error in full (its end):\n%s", str(err)[-3000:])  # a worker's traceback
             self.compiled = None
             self.decode_step = self.decoder.__call__
             self.graphs = {key: graph for key, graph in self.graphs.items() if key[1] != ANY_CONTEXT}
