@@ -175,3 +175,29 @@ def test_the_compiled_step_equals_the_eager_step_on_the_cpu(tiny):
     assert backend.compile_failure is None and list(backend.compiled.ready) == [4]
     assert counters["stats"]["unique_graphs"] == graphs  # every later context ran the same graphs
     torch.testing.assert_close(backend.kv_pool[:, :-1], eager.kv_pool[:, :-1], atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_pool_stays_under_32_bit_offsets_and_the_engine_caps_its_pool():
+    """compiled_pool_pages: the largest pool the compiled step indexes with 32-bit offsets; the engine sizes its
+    pool to it where the torch backend will compile (run 29: a 68 GB pool failed flex_attention's Triton
+    compile), and not where it will not."""
+    from types import SimpleNamespace
+
+    from northcode.engine.backend_choice import BackendChoice
+    from northcode.engine.engine import Engine
+    from northcode.engine.settings import EngineSettings
+    from northcode.model.synthetic import preset_config
+    from northcode.torch_backend.compiled_step import compiled_pool_pages
+
+    config = preset_config("north-mini-code")
+    pages = compiled_pool_pages(config, 64)
+    per_page = 2 * 64 * config.num_key_value_heads * config.head_dim
+    assert (pages + 1) * per_page < 2 ** 31 <= (pages + 2) * per_page
+    cpu, huge = torch.device("cpu"), 1 << 40  # a byte budget far past the cap
+    torch_engine = SimpleNamespace(backend_choice=BackendChoice("torch", "test"))
+    budget = Engine._page_budget(torch_engine, config, EngineSettings(compile=True, cpu_kv_bytes=huge), torch.float32, cpu)
+    assert budget == pages
+    eager = Engine._page_budget(torch_engine, config, EngineSettings(compile=False, cpu_kv_bytes=huge), torch.float32, cpu)
+    kernel = Engine._page_budget(SimpleNamespace(backend_choice=BackendChoice("megakernel", "test")), config,
+                                 EngineSettings(compile=True, cpu_kv_bytes=huge), torch.float32, cpu)
+    assert eager == kernel > pages

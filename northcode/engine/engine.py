@@ -135,17 +135,17 @@ class Engine(StepRecovery, PipelinedSteps):
         self._weights = weights  # kept on the device: a restarted backend is built from them again
         device = weights["model.embed_tokens.weight"].device
         dtype = weights["model.embed_tokens.weight"].dtype
-        self.num_pages = num_pages = kv_page_budget(config, settings, dtype, device)
+        if backend_factory is None:
+            self.backend_choice = choose_backend(config, settings, device, dtype)
+        else:
+            self.backend_choice = BackendChoice("?", "given by the caller (backend_factory)")
+        self.num_pages = num_pages = self._page_budget(config, settings, dtype, device)
         probe = KVCacheManager(config, num_pages, settings.page_size, 1, 1)
         self.max_model_len = context_limit(config, settings, probe)
         if self.max_model_len < 2:
             raise ValueError(f"the KV pool of {num_pages} pages cannot hold even a 2-token sequence")
         self.max_pages_per_seq = -(-self.max_model_len // settings.page_size)
         self.kv, self.scheduler = self._fresh_cache()
-        if backend_factory is None:
-            self.backend_choice = choose_backend(config, settings, device, dtype)
-        else:
-            self.backend_choice = BackendChoice("?", "given by the caller (backend_factory)")
         self._backend_factory = backend_factory
         self.backend = self._build_backend()
         log.info("engine backend: %s (%s)", self.backend_choice.name, self.backend_choice.reason)
@@ -171,6 +171,21 @@ class Engine(StepRecovery, PipelinedSteps):
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="northcode-engine", daemon=True)
         self._thread.start()
+
+    def _page_budget(self, config: ModelConfig, settings: EngineSettings, dtype: torch.dtype,
+                     device: torch.device) -> int:
+        """kv_page_budget, capped where the torch backend will compile its decode step (compiled_pool_pages)."""
+        from northcode.torch_backend.compiled_step import compile_requested, compiled_pool_pages
+
+        pages = kv_page_budget(config, settings, dtype, device)
+        if self.backend_choice.name != "torch" or settings.num_pages is not None or \
+                not compile_requested(settings.compile, device, settings.cuda_graphs):
+            return pages
+        cap = compiled_pool_pages(config, settings.page_size)
+        if pages > cap:
+            log.info("KV pool: %d pages of the %d that fit: the compiled torch step indexes its pool with 32-bit "
+                     "offsets (NORTHCODE_TORCH_COMPILE=0 runs the eager step over all of them)", cap, pages)
+        return min(pages, cap)
 
     def _fresh_cache(self) -> tuple[KVCacheManager, Scheduler]:
         s = self.settings

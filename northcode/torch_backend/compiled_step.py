@@ -253,6 +253,15 @@ def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: b
     return device.type == "cuda" and cuda_graphs
 
 
+def compiled_pool_pages(config, page_size: int) -> int:
+    """The most KV pages the compiled step can run over: its pool [2, pages + 1 (scratch), ps, Hkv, D] must stay
+    under 2^31 elements. Past that inductor indexes it with 64-bit offsets, and in torch 2.11 the flex_attention
+    template then fails to compile in Triton ("Ternary expression with dynamic condition has inconsistent types
+    int64 and int32", run 29: a 68 GB engine pool on the H200; the decode bench's small pools never hit it)."""
+    per_page = 2 * page_size * config.num_key_value_heads * config.head_dim
+    return (2 ** 31 - 1) // per_page - 1
+
+
 def _dynamo_limits():
     """Room for every bucket's graphs, and an error instead of a silent eager fallback past the limit
     (eager flex_attention would score every slot of the pool)."""
