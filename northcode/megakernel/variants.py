@@ -15,7 +15,9 @@ FLAG_OPROJ_RING = 8  # o_proj tiles stream through a per-lane cp.async ring (iss
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
 
 
-DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING  # run 17: the next task's prefetch too was 5% slower at B=1
+# run 17: the next task's prefetch too was 5% slower at B=1; run 32: o_proj through the register product after the
+# NORM fix beats the o_proj ring (3.27 against 3.35 ms at B=1, twice in one process)
+DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +35,12 @@ class Variant:
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
-    "default": Variant(),  # day 3 (runs 25-28): o_proj ring, combine apart, up claims
-    "day2-default": Variant(flags=FLAG_PREFETCH_CURRENT, combine_apart=False, up_claims=False),  # until run 28
-    "register-oproj": Variant(flags=FLAG_PREFETCH_CURRENT),  # o_proj through the register product
+    "default": Variant(),  # day 3 (runs 25-32): combine apart, up claims
+    "day2-default": Variant(combine_apart=False, up_claims=False),  # until run 28
+    "oproj-ring": Variant(flags=DEFAULT_FLAGS | FLAG_OPROJ_RING),  # the default of runs 28-31
     "no-combine-apart": Variant(combine_apart=False),
     "no-claims": Variant(up_claims=False),
-    "no-prefetch": Variant(flags=FLAG_OPROJ_RING),
+    "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),
     "tail-early": Variant(wave_order="tail-early"),
