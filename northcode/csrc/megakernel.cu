@@ -96,7 +96,8 @@ enum TaskType : int {
 // Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
 // NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
 // OPROJ_RING: o_proj tiles stream through a per-lane cp.async ring (task_oproj_ring), issued after the wait.
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8 };
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8,
+                   NC_FLAG_LEAN_DISPATCH = 16 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -220,17 +221,20 @@ __device__ void report(const Params& p, int code, int a, int b) {
   }
 }
 
-// Thread 0 spins until counters[idx] >= target (or the step aborted); the block then syncs.
-__device__ void wait_counter(const Params& p, int idx, int target) {
+// Thread 0 spins until counters[idx] >= target (or the step aborted); the block then syncs. Returns, in thread 0,
+// whether the wait ended on the step's status (an abort or this wait's time-out) instead of the target.
+__device__ bool wait_counter(const Params& p, int idx, int target) {
+  bool stopped = false;
   if (threadIdx.x == 0 && idx >= 0) {
     const long long start = global_ns();
     while (load_acquire(p.counters + idx) < (unsigned)target) {
-      if (*(volatile int*)p.status != 0) break;
-      if (global_ns() - start > p.timeout_ns) { report(p, NC_ERR_TIMEOUT, idx, target); break; }
+      if (*(volatile int*)p.status != 0) { stopped = true; break; }
+      if (global_ns() - start > p.timeout_ns) { report(p, NC_ERR_TIMEOUT, idx, target); stopped = true; break; }
       __nanosleep(64);
     }
   }
   __syncthreads();
+  return stopped;
 }
 
 // After the block's outputs are written: make them visible GPU-wide, then count one.
@@ -1411,24 +1415,47 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     prefetch_l2(reinterpret_cast<const char*>(w) + off);
 }
 
+// LEAN_DISPATCH (a flag, day 3, not yet run on a GPU): two round trips fewer per task. The next task's record
+// is copied into the other half of a two-record buffer while this task runs (cp.async by 4 threads; tasks drain
+// their own copies, so the record's group is the only one left at the loop's top), instead of being loaded when
+// the task starts; and a task that was skipped because the step aborted does not signal, so a wait that is met
+// means its producers ran, and the status is read only by waits that spin (wait_counter) instead of once more
+// after every wait. Run 33's profile: a block spends ~0.7 us between one task's end and the next one's start
+// (the record's load) and 0.6-1.6 us from start to "met" even when the dependency was met long before.
+__device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* slot) {
+  if (threadIdx.x < 4) {
+    cp_async16(reinterpret_cast<unsigned char*>(slot) + 16 * threadIdx.x,
+               reinterpret_cast<const unsigned char*>(p.tasks + i) + 16 * threadIdx.x);
+    asm volatile("cp.async.commit_group;");
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ Task task;
+  __shared__ __align__(16) Task task[2];  // lean: this task's record and the next one's
   __shared__ int aborted;  // one thread reads the status, so that the whole block takes the same branch
-  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
-    if (threadIdx.x < 16) reinterpret_cast<int*>(&task)[threadIdx.x] = reinterpret_cast<const int*>(p.tasks + i)[threadIdx.x];
+#define NC_END p.task_start[blockIdx.x + 1]  // read where used (as before the flag): no register held
+#define NC_LEAN ((p.flags & NC_FLAG_LEAN_DISPATCH) != 0)  // read where used: no register held across the tasks
+  if (NC_LEAN && p.task_start[blockIdx.x] < NC_END) copy_task_record(p, p.task_start[blockIdx.x], &task[p.task_start[blockIdx.x] & 1]);
+  for (int i = p.task_start[blockIdx.x]; i < NC_END; ++i) {
+    if (NC_LEAN) {
+      if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
+    } else if (threadIdx.x < 16) {
+      reinterpret_cast<int*>(&task[i & 1])[threadIdx.x] = reinterpret_cast<const int*>(p.tasks + i)[threadIdx.x];
+    }
     __syncthreads();
-    const Task t = task;
+    const Task& t = task[i & 1];  // read from shared memory where used: no 16 registers held across the task
+    if (NC_LEAN && i + 1 < NC_END) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read by all before the barrier above
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
     if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
     const bool oproj_ring = t.type == TASK_OPROJ && (p.flags & NC_FLAG_OPROJ_RING);
     if (oproj_ring) oproj_ring_prologue(p, t, smem);  // o_proj's ring: its first loads before the wait
     else if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
-    if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
+    if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < NC_END)
       prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
-    wait_counter(p, t.wait[0], t.target[0]);
-    wait_counter(p, t.wait[1], t.target[1]);
-    if (threadIdx.x == 0) aborted = *(volatile int*)p.status;
+    bool stopped = wait_counter(p, t.wait[0], t.target[0]);
+    stopped |= wait_counter(p, t.wait[1], t.target[1]);
+    if (threadIdx.x == 0) aborted = NC_LEAN ? stopped : *(volatile int*)p.status != 0;
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
     __syncthreads();
     if (!aborted) {
@@ -1452,9 +1479,12 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     } else {
       asm volatile("cp.async.wait_group 0;" ::: "memory");  // copies issued before the wait (a skipped task's)
     }
-    signal_counter(p, t.signal);
+    if (!(NC_LEAN && aborted)) signal_counter(p, t.signal);  // lean: a skipped task leaves its consumers to the status
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 2] = global_ns();
   }
+  if (NC_LEAN && threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");
+#undef NC_LEAN
+#undef NC_END
 }
 
 // Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.

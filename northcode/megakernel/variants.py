@@ -12,6 +12,7 @@ from dataclasses import dataclass
 FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
 FLAG_NO_KV_PRELOAD = 4  # attention issues no KV page copy before its dependency wait
 FLAG_OPROJ_RING = 8  # o_proj tiles stream through a per-lane cp.async ring (issued after the task's wait)
+FLAG_LEAN_DISPATCH = 16  # the next task's record copied during this one; skipped tasks do not signal (the .cu)
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
 
 
@@ -40,6 +41,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "oproj-ring": Variant(flags=DEFAULT_FLAGS | FLAG_OPROJ_RING),  # the default of runs 28-31
     "no-combine-apart": Variant(combine_apart=False),
     "no-claims": Variant(up_claims=False),
+    "lean-dispatch": Variant(flags=DEFAULT_FLAGS | FLAG_LEAN_DISPATCH),  # day 3: not yet run on a GPU
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),

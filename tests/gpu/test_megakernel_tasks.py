@@ -254,3 +254,19 @@ def test_lm_head_and_greedy_sample(geometry: str) -> None:
     assert rel_err(kernel.logits, ref) < REL_TOL
     assert kernel.tokens.tolist() == kernel.logits.argmax(-1).tolist()
     kernel.set_rows([RowSpec(position=length, seq=b) for b, length in enumerate(GEOMETRIES[geometry][2])])
+
+
+def test_a_wait_that_never_ends_times_out_and_ends_the_step(geometry: str) -> None:
+    """A task waiting on a counter nobody signals times out: the step ends (no hang) with the time-out's status,
+    and the tasks behind it on other blocks (waiting on what it would signal) end too, under the variant's
+    dispatch (lean-dispatch: a skipped task does not signal, its consumers stop on the status)."""
+    from northcode.megakernel.kernel import TaskType, make_task
+
+    config, weights, model, cache, kernel = env(geometry)
+    kernel.params.timeout_ns = 20_000_000  # 20 ms
+    # counter 0: never signalled; the NORM waits on it and would signal 1; eight NORMs on other blocks wait on 1
+    waves = [[make_task(TaskType.NORM, 1, (0,), ((0, 1),), 1)],
+             [make_task(TaskType.NORM, 1, (b,), ((1, 1),), 2) for b in range(8)]]
+    with pytest.raises(RuntimeError, match="timed out .counter 0, target 1"):
+        run(kernel, waves, num_counters=3)
+    run(kernel, [[make_task(TaskType.NORM, 1, (b,), (), 2) for b in range(8)]], num_counters=3)  # the next step runs
