@@ -942,7 +942,8 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 //   Every SM runs one MOE_UP and one MOE_DOWN per layer. Once TOPK has written the slots, the work is
 //   known: up tiles u = (slot, 16 channels) taken round-robin (block r: u = r, r + blocks, ...: slots
 //   finish in order; MOE_UP's arg0 last blocks take none, combine_apart; or, where MOE_UP's arg2 names a
-//   counter, claimed from it in order a few tiles ahead, so that blocks leaving attention late take fewer), down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
+//   counter, claimed from it in order a few tiles ahead, so that blocks leaving attention late take fewer; where
+//   its arg3 is set, the same task goes on with the block's down share: moe_fused), down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
 //   slot, so its activation rows are loaded once per slot). Each lane streams its own pieces of the
 //   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
 //   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
@@ -1036,9 +1037,10 @@ __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
   for (int q = 0; q < kMoeStages; ++q) moe_issue(st, q);
 }
 
-__device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
+// loaded_slots >= 0: the slots' experts are in shared memory already (the fused MoE task's down part)
+__device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up, int loaded_slots = -1) {
   const int warp = threadIdx.x >> 5, nchunk = (up ? kHidden : kExpertWidth) / 32;
-  const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks;
+  const int slots = loaded_slots >= 0 ? loaded_slots : __ldcg(p.moe_slots), blocks = p.num_blocks;
   const int rank = blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
   // claims (MOE_UP arg2 >= 0): the block's first `lookahead` tiles from the layer's counter, the atomic in flight
@@ -1048,7 +1050,8 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   unsigned claim_base = 0;
   if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + t.arg[2], (unsigned)lookahead);
   __syncthreads();  // the previous user of this memory is done
-  for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
+  if (loaded_slots < 0)
+    for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
   if (claims && threadIdx.x == 0) {
     const int total = slots * kUpTilesPerSlot, base = claimer ? (int)claim_base : total;
     for (int j = 0; j < lookahead; ++j) experts[kExperts + j] = base + j < total ? base + j : -1;
@@ -1106,9 +1109,9 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   __syncthreads();
 }
 
-__device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem) {
+__device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem, int loaded_slots = -1) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  const MoeStream st = moe_stream(p, t, smem, false);
+  const MoeStream st = moe_stream(p, t, smem, false, loaded_slots);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   uint4 xa[kDownSteps];
   float weight = 0.f;
@@ -1468,8 +1471,11 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
         case TASK_OPROJ: if (p.flags & NC_FLAG_OPROJ_RING) task_oproj_ring(p, t, smem); else task_oproj(p, t, smem); break;
         case TASK_ROUTER: task_router(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
-        case TASK_MOE_UP: task_moe_up(p, t, smem); break;
-        case TASK_MOE_DOWN: task_moe_down(p, t, smem); break;
+        case TASK_MOE_UP:  // arg3 != 0: fused, the block's down share follows in the same task (moe_fused)
+          task_moe_up(p, t, smem);
+          if (!t.arg[3]) break;
+          [[fallthrough]];  // one call site of the down share: inlined once
+        case TASK_MOE_DOWN: task_moe_down(p, t, smem, t.type == TASK_MOE_UP ? __ldcg(p.moe_slots) : -1); break;
         case TASK_DENSE_UP: task_dense_up(p, t, smem); break;
         case TASK_DENSE_DOWN: task_dense_down(p, t, smem); break;
         case TASK_LM_HEAD: task_lm_head(p, t, smem); break;

@@ -33,6 +33,7 @@ class Variant:
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
     combine_apart: bool = True  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
+    moe_fused: bool = False  # each block's MoE up and down shares in one task (tasks.build_schedule)
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -42,6 +43,8 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-combine-apart": Variant(combine_apart=False),
     "no-claims": Variant(up_claims=False),
     "lean-dispatch": Variant(flags=DEFAULT_FLAGS | FLAG_LEAN_DISPATCH),  # day 3: not yet run on a GPU
+    "moe-fused": Variant(moe_fused=True),  # day 3: not yet run on a GPU
+    "lean-fused": Variant(flags=DEFAULT_FLAGS | FLAG_LEAN_DISPATCH, moe_fused=True),  # day 3: not yet run on a GPU
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),
