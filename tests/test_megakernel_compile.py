@@ -60,3 +60,22 @@ def test_unsupported_geometry_is_named() -> None:
 
     odd = dataclasses.replace(config, hidden_size=120)
     assert "hidden_size 120" in unsupported_reason(odd)
+
+
+def test_tuning_defines_come_from_the_environment_and_are_checked(monkeypatch, tmp_path) -> None:
+    """NORTHCODE_MEGAKERNEL_TUNING adds compile-time knobs to the build (and to its cache key); a name the .cu
+    does not know, or a value that is not an integer, is refused with the variable named."""
+    from northcode.megakernel.kernel import tuning_defines
+
+    config = preset_config("tiny", 1003)
+    monkeypatch.delenv("NORTHCODE_MEGAKERNEL_TUNING", raising=False)
+    assert tuning_defines() == {}
+    monkeypatch.setattr("northcode.megakernel.kernel.find_nvcc", lambda: "nvcc")
+    assert not any(flag.startswith("-DNC_MOE_STAGES") for flag in nvcc_command(config, tmp_path / "k.so"))
+    monkeypatch.setenv("NORTHCODE_MEGAKERNEL_TUNING", " NC_MOE_STAGES=10 ")
+    assert tuning_defines() == {"NC_MOE_STAGES": 10}
+    assert "-DNC_MOE_STAGES=10" in nvcc_command(config, tmp_path / "k.so")
+    for bad in ("NC_UNKNOWN=3", "NC_MOE_STAGES=ten", "NC_MOE_STAGES"):
+        monkeypatch.setenv("NORTHCODE_MEGAKERNEL_TUNING", bad)
+        with pytest.raises(ValueError, match="NORTHCODE_MEGAKERNEL_TUNING"):
+            tuning_defines()

@@ -951,7 +951,10 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 //   meets only to reduce a tile's warps. Up: moe_act[slot][b] = bf16(silu(gate) * up), "slot done" += 1
 //   per tile (the slot is done at I/16). Down: waits for its slot, then x[b] += bf16(bf16(down . act) *
 //   weight[slot][b]) for the rows routed to that expert.
-constexpr int kMoeStages = 6;
+#ifndef NC_MOE_STAGES  // an experiment's -D (megakernel.py: NORTHCODE_MEGAKERNEL_TUNING); 6 x 16 KB in flight per SM
+#define NC_MOE_STAGES 6
+#endif
+constexpr int kMoeStages = NC_MOE_STAGES;
 constexpr int kUpTilesPerSlot = kExpertWidth / 16;
 constexpr int kDownTilesPerSlot = kHidden / 32;
 constexpr int kUpSteps = (kHidden / 32 + kWarps - 1) / kWarps;         // k-chunks per warp of an up tile
@@ -970,7 +973,7 @@ struct MoeStream {  // one lane's view of a task's weight stream: tile i of the 
   int lookahead;  // claims: tiles claimed ahead of the one being multiplied (the ring reaches that far)
   int total;      // tiles of the layer
 };
-constexpr int kClaimRing = 8;
+constexpr int kClaimRing = kMoeStages + 2 <= 8 ? 8 : 16;  // a power of two
 static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts and the claims share GemmSmem.best");
 
 // The tile index of the block's i-th tile, or -1 past its last.

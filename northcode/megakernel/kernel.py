@@ -105,8 +105,25 @@ def find_nvcc() -> str:
     raise RuntimeError("megakernel: nvcc not found (put it on PATH or set CUDA_HOME)")
 
 
+TUNING_DEFINES = ("NC_MOE_STAGES",)  # compile-time knobs an experiment may set (the .cu's defaults otherwise)
+
+
+def tuning_defines() -> dict[str, int]:
+    """NORTHCODE_MEGAKERNEL_TUNING="NC_MOE_STAGES=10,...": compile-time knobs for experiments that no run
+    variant can express (one build per value: compare them in separate processes); empty by default."""
+    text = os.environ.get("NORTHCODE_MEGAKERNEL_TUNING", "").strip()
+    chosen = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in TUNING_DEFINES or not value.strip().isdigit():
+            raise ValueError(f"NORTHCODE_MEGAKERNEL_TUNING: {item!r}: expected NAME=INTEGER, NAME one of "
+                             f"{', '.join(TUNING_DEFINES)}")
+        chosen[name] = int(value)
+    return chosen
+
+
 def nvcc_command(config: ModelConfig, output: Path, extra_flags: tuple[str, ...] = ()) -> list[str]:
-    defines = [f"-D{k}={v}" for k, v in geometry(config).items()]
+    defines = [f"-D{k}={v}" for k, v in {**geometry(config), **tuning_defines()}.items()]
     return [find_nvcc(), *NVCC_FLAGS, *extra_flags, *defines, "-o", str(output), str(SOURCE)]
 
 
@@ -117,7 +134,8 @@ def build_library(config: ModelConfig, cache_dir: Path | None = None) -> Path:
         raise ValueError(f"megakernel: unsupported model: {reason}")
     nvcc = find_nvcc()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((geometry(config), NVCC_FLAGS, version)).encode()).hexdigest()[:20]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((geometry(config), NVCC_FLAGS, version, tuning_defines()))
+                         .encode()).hexdigest()[:20]
     cache_dir = cache_dir or paths.data_dir() / "kernels"
     cache_dir.mkdir(parents=True, exist_ok=True)
     library = cache_dir / f"megakernel-{key}.so"

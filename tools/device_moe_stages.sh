@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The MoE ring's depth (kMoeStages, a compile-time constant) on the H200, in one command of ~3-4 minutes:
+#     run(command="bash tools/device_moe_stages.sh", timeout_s=400)
+# For each STAGES value (default "6 8 10 12"; 6 is the .cu's default) a separate build via
+# NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_STAGES=N: the tiny geometry's teacher-forced and per-task tests (the ring's
+# logic at a new depth), then `bench decode` of the default variant at B = 1 and 8, 8K, 100 steps. Builds differ,
+# so the figures come from separate processes (run 32: two runs of one build agreed to 0.2% at 100 steps).
+# Logs under $OUT; a short table last.
+set -u
+OUT=${OUT:-/tmp/nc-out}
+mkdir -p "$OUT"
+export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NORTHCODE_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 NC_TINY_STEPS=${NC_TINY_STEPS:-32}
+D=tests/gpu/test_megakernel_decode.py
+T=tests/gpu/test_megakernel_tasks.py
+for n in ${STAGES:-6 8 10 12}; do
+  export NORTHCODE_MEGAKERNEL_TUNING="NC_MOE_STAGES=$n"
+  timeout 90 python3 -m pytest -q -rf -k "tiny" $T "$D::test_tiny_teacher_forced" > "$OUT/tests-$n.log" 2>&1
+  echo "stages $n tests rc=$? $(grep -hE 'passed|failed' "$OUT/tests-$n.log" | tail -1)"
+  timeout 120 python3 -m northcode.bench.decode_bench --backends megakernel --batch 1 8 --context 8192 --steps 100 \
+    --warmup 10 --out "$OUT/bench-$n" > "$OUT/bench-$n.log" 2>&1
+  grep -E "^\| megakernel" "$OUT/bench-$n.log" | sed "s/^/stages $n /"
+done
+(cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log)
