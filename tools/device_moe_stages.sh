@@ -4,7 +4,8 @@
 # For each STAGES value (default "6 8 10 12"; 6 is the .cu's default) a separate build via
 # NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_STAGES=N: the tiny geometry's teacher-forced and per-task tests (the ring's
 # logic at a new depth), then `bench decode` of the default variant at B = 1 and 8, 8K, 100 steps. Builds differ,
-# so the figures come from separate processes (run 32: two runs of one build agreed to 0.2% at 100 steps).
+# so the figures come from separate processes (run 32: two runs of one build agreed to 0.2% at 100 steps); and
+# northcode/bench/moe_stream_bench.py: the MoE stream alone on every SM against the read bandwidth.
 # Logs under $OUT; a short table last.
 set -u
 OUT=${OUT:-/tmp/nc-out}
@@ -19,5 +20,7 @@ for n in ${STAGES:-6 8 10 12}; do
   timeout 120 python3 -m northcode.bench.decode_bench --backends megakernel --batch 1 8 --context 8192 --steps 100 \
     --warmup 10 --out "$OUT/bench-$n" > "$OUT/bench-$n.log" 2>&1
   grep -E "^\| megakernel" "$OUT/bench-$n.log" | sed "s/^/stages $n /"
+  timeout 90 python3 -m northcode.bench.moe_stream_bench > "$OUT/stream-$n.log" 2>&1  # the stream alone
+  grep -E "read bandwidth|up" "$OUT/stream-$n.log" | sed "s/^/stages $n stream /"
 done
 (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log)

@@ -1,0 +1,75 @@
+"""The megakernel's MoE weight stream alone (`python -m northcode.bench.moe_stream_bench`, a GPU with sm_90).
+
+In a decode step the up and down phases share the SMs with attention and o_proj, so their rate there mixes the
+stream's own limit with the schedule's. This runs only MOE_UP tasks (one per SM, static round-robin shares of
+the slots' up tiles), then MOE_UP + MOE_DOWN, over N distinct experts of one North Mini Code layer (random
+weights), and prints the bytes streamed per second against the read bandwidth of a plain 4 GiB sum measured in
+the same process: if the stream alone stays well under it, the per-SM ring is the limit (its depth:
+NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_STAGES=N, tools/device_moe_stages.sh); if it reaches it, the step's
+schedule is. 8 experts is batch 1's working set (a 50 MB up phase: launch overhead included), 128 all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128], help="distinct experts streamed")
+    parser.add_argument("--repeats", type=int, default=20, help="launches timed per cell (median)")
+    parser.add_argument("--variant", default="default", help="megakernel variant (flags) to run the tasks with")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from northcode.bench.decode_bench import measure_bandwidth, median_ms
+    from northcode.bench.decode_setup import paged_cache
+    from northcode.megakernel.kernel import Megakernel, RowSpec, TaskType, flatten, make_task, place_waves
+    from northcode.model.synthetic import preset_config, random_weights
+
+    config = dataclasses.replace(preset_config("north-mini-code"), num_hidden_layers=2, layer_types=None,
+                                 mlp_layer_types=None)  # layer 0 dense, layer 1 sparse: the one streamed
+    if any(not 1 <= n <= config.num_experts for n in args.experts):
+        raise SystemExit(f"--experts: each count must be 1..{config.num_experts}")
+    weights = random_weights(config, device="cuda", dtype=torch.bfloat16, seed=0)
+    cache = paged_cache(config, [64], 4, "cuda", seed=0)
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
+                        variant=args.variant)
+    kernel.set_rows([RowSpec(position=64, seq=0)])
+    kernel.h.normal_()
+    bandwidth = measure_bandwidth()
+    read_tbps = bandwidth["read_tbps"]
+    print(f"read bandwidth (4 GiB sum): {read_tbps:.2f} TB/s; {kernel.num_blocks} SMs; variant {args.variant}")
+    up_bytes = 2 * config.intermediate_size * config.hidden_size * 2  # one expert's gate_up, bf16
+    down_bytes = config.hidden_size * config.intermediate_size * 2
+    print(f"{'experts':>8}{'phase':>9}{'MB':>8}{'us':>9}{'TB/s':>7}{'of read':>9}{'GB/s per SM':>13}")
+    generator = torch.Generator().manual_seed(0)
+    for n in args.experts:
+        experts = torch.randperm(config.num_experts, generator=generator)[:n].sort().values
+        kernel.moe_slots.zero_()
+        kernel.moe_slots[0] = n
+        kernel.moe_slots[1:1 + n] = experts.to(kernel.moe_slots.device, torch.int32)
+        kernel.slot_weight.zero_()
+        kernel.slot_weight[:n, 0] = 1.0 / n  # row 0 only: the batch is 1
+        up = ("each", make_task(TaskType.MOE_UP, 1, (0, 0, -1)))  # slot counters 0..n-1, static shares
+        down = ("each", make_task(TaskType.MOE_DOWN, 1, (0, 0)))
+        for phase, waves, nbytes in (("up", [up], n * up_bytes), ("up+down", [up, down], n * (up_bytes + down_bytes))):
+            schedule = flatten(place_waves(waves, kernel.num_blocks), n, 0)
+            ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
+            tbps = nbytes / (ms * 1e-3) / 1e12
+            print(f"{n:>8}{phase:>9}{nbytes / 1e6:8.1f}{ms * 1e3:9.1f}{tbps:7.2f}{tbps / read_tbps:8.0%}"
+                  f"{tbps * 1e3 / kernel.num_blocks:13.1f}")
+        kernel.check()
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m northcode.bench.moe_stream_bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
