@@ -16,7 +16,7 @@ import torch
 from northcode.config import ModelConfig
 from northcode.megakernel.kernel import (TASK_WORDS, VARIANTS, WAVE_ORDERS, Schedule, TaskType, attention_splits,
                                          build_schedule, flatten, make_task, place_waves)
-from northcode.megakernel.tasks import _Counters
+from northcode.megakernel.tasks import _Counters, one_round_q_tiles
 from northcode.model.synthetic import preset_config
 
 
@@ -60,7 +60,7 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
     for blocks, context in ((132, 8192), (7, 100)):
         splits = attention_splits(config, batch, blocks, context)
         schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles, v.combine_apart,
-                                  v.up_claims, v.moe_fused)
+                                  v.up_claims, v.moe_fused, v.qkv_one_round)
         assert schedule.tasks.shape[1] == TASK_WORDS
         counters, _ = simulate(schedule)
         tasks = schedule.tasks.tolist()
@@ -151,7 +151,7 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
 
 def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
                      qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, combine_apart: bool,
-                     up_claims: bool, moe_fused: bool = False) -> tuple:
+                     up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
@@ -162,8 +162,9 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
     for g in range(kvh):
         for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
                              ((c.q_size + c.kv_size + g * d) // 16, d // 16)):
-            for tile in range(first, first + count, qkv_tiles):
-                qkv.append(make_task(TaskType.QKV, layer, (tile, min(qkv_tiles, first + count - tile), int(c.uses_rope(layer))),
+            per_task = (q_tiles or qkv_tiles) if first < c.q_size // 16 else qkv_tiles
+            for tile in range(first, first + count, per_task):
+                qkv.append(make_task(TaskType.QKV, layer, (tile, min(per_task, first + count - tile), int(c.uses_rope(layer))),
                                      ((norm_done, batch),), qkv_done + g))
                 per_group[g] += 1
     qkv_wave = len(waves)
@@ -207,12 +208,12 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
 
 def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                               order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                              up_claims: bool = False, moe_fused: bool = False) -> Schedule:
+                              up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
         previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves,
-                                    combine_apart, up_claims, moe_fused)
+                                    combine_apart, up_claims, moe_fused, q_tiles)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -243,12 +244,14 @@ def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
 
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code", "north-mini-code-5"])
 @pytest.mark.parametrize("order", WAVE_ORDERS + ("attention-first combine-apart", "attention-first combine-apart claims",
-                                                 "attention-first combine-apart claims fused"))
+                                                 "attention-first combine-apart claims fused",
+                                                 "attention-first combine-apart claims one-round"))
 def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
     """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
     contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
     order, *options = order.split()
     apart, claims, fused = "combine-apart" in options, "claims" in options, "fused" in options
+    one_round = "one-round" in options
     config = _preset(preset)
     seen = set()
     for batch in (1, 2, 3, 8):
@@ -260,9 +263,11 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
                         continue
                     seen.add((batch, blocks, splits, qkv_tiles))
                     where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
-                    _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims, fused),
+                    q_tiles = one_round_q_tiles(config, blocks, qkv_tiles) if one_round else None
+                    _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims, fused,
+                                                one_round),
                                  _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, apart, claims,
-                                                           fused), where)
+                                                           fused, q_tiles), where)
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:
@@ -298,3 +303,20 @@ def test_split_contexts_cover_every_task_list_a_sequence_can_need() -> None:
             wanted = {attention_splits(config, batch, 132, c) for c in range(longest + 1)}
             assert {attention_splits(config, batch, 132, c) for c in contexts} == wanted
             assert len(contexts) == len(wanted) <= 8
+
+
+def test_one_round_qkv_puts_at_most_one_qkv_task_on_each_block() -> None:
+    """qkv_one_round at North Mini Code on 132 SMs: 3-tile query tasks, 120 QKV tasks a layer (160 with 2-tile
+    tasks), so no block runs two (run 33: ~37 did, and left for attention ~7 us late); tiny keeps 2-tile tasks."""
+    from northcode.megakernel.tasks import qkv_task_count
+
+    config = preset_config("north-mini-code")
+    assert (one_round_q_tiles(config, 132, 2), qkv_task_count(config, 2, 3)) == (3, 120)
+    splits = attention_splits(config, 1, 132, 8192)
+    for one_round, most in ((False, 2), (True, 1)):
+        schedule = build_schedule(config, 1, 132, splits, qkv_tiles=2, qkv_one_round=one_round)
+        tasks, starts = schedule.tasks.tolist(), schedule.task_start.tolist()
+        per_block = [sum(1 for t in tasks[starts[b]:starts[b + 1]] if t[0] == TaskType.QKV and t[1] == 7)
+                     for b in range(132)]
+        assert max(per_block) == most, per_block
+    assert one_round_q_tiles(preset_config("tiny", 1003), 132, 2) == 2

@@ -141,7 +141,7 @@ class _WaveMaker:
     """Makes one build's _WaveSpecs; holds the per-task index tensors (int64 [n]) and the patterns built from
     them, so that a wave costs a make_task call and a dictionary look-up."""
 
-    def __init__(self, c: ModelConfig, batch: int, qkv_tiles: int) -> None:
+    def __init__(self, c: ModelConfig, batch: int, qkv_tiles: int, q_tiles: int | None = None) -> None:
         self.batch, self.kvh = batch, c.num_key_value_heads
         self.oproj_tiles = c.hidden_size // 16
         group, d = c.num_attention_heads // self.kvh, c.head_dim
@@ -149,8 +149,9 @@ class _WaveMaker:
         for g in range(self.kvh):  # a task's tiles never straddle a KV group, so attention waits per group
             for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
                                  ((c.q_size + c.kv_size + g * d) // 16, d // 16)):
-                for tile in range(first, first + count, qkv_tiles):
-                    tiles.append(tile), counts.append(min(qkv_tiles, first + count - tile)), groups.append(g)
+                per_task = (q_tiles or qkv_tiles) if first < c.q_size // 16 else qkv_tiles  # query rows: q_tiles
+                for tile in range(first, first + count, per_task):
+                    tiles.append(tile), counts.append(min(per_task, first + count - tile)), groups.append(g)
         self.qkv_tile, self.qkv_count, self.qkv_group = (torch.tensor(x) for x in (tiles, counts, groups))
         self.group_tasks = torch.bincount(self.qkv_group, minlength=self.kvh)  # [kvh]: QKV tasks per group
         self.heads = torch.arange(batch * self.kvh)  # (row, KV head) pairs: b * kvh + g
@@ -276,20 +277,40 @@ def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context
     return contexts
 
 
+def qkv_task_count(config: ModelConfig, qkv_tiles: int, q_tiles: int) -> int:
+    """QKV tasks of a layer: per KV group, its query rows in tasks of q_tiles tiles, its K and V rows in tasks of
+    qkv_tiles (16-row tiles; a task never straddles a group or the q/k/v boundary)."""
+    kvh = config.num_key_value_heads
+    q_rows, kv_rows = config.q_size // kvh // 16, config.head_dim // 16
+    return kvh * (-(-q_rows // q_tiles) + 2 * -(-kv_rows // qkv_tiles))
+
+
+def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> int:
+    """Tiles per query task so that a layer's QKV tasks fit once on the blocks the router and top-k leave free
+    (qkv_one_round: run 33's ~37 blocks with two QKV tasks start their attention and up shares ~7 us late)."""
+    free = num_blocks - math.ceil(config.num_experts / 16) - 1
+    q_tiles, most = qkv_tiles, config.q_size // config.num_key_value_heads // 16
+    while qkv_task_count(config, qkv_tiles, q_tiles) > free and q_tiles < most:
+        q_tiles += 1
+    return q_tiles
+
+
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                   up_claims: bool = False, moe_fused: bool = False) -> Schedule:
+                   up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
     tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight). combine_apart:
     COMBINE_APART_MAX's placement. up_claims: blocks claim MoE up tiles from a per-layer counter. moe_fused: each
-    block's up and down shares in one task, after COMBINE (the order is then fixed). Waves are
+    block's up and down shares in one task, after COMBINE (the order is then fixed). qkv_one_round: larger query
+    tasks where needed so that every block has at most one QKV task (one_round_q_tiles). Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
     place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
-    c, m, counters = config, _WaveMaker(config, batch, qkv_tiles), _Counters()
+    q_tiles = one_round_q_tiles(config, num_blocks, qkv_tiles) if qkv_one_round else qkv_tiles
+    c, m, counters = config, _WaveMaker(config, batch, qkv_tiles, q_tiles), _Counters()
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
