@@ -64,7 +64,7 @@ def test_brief_and_json_forms(fresh_home, capsys):
     assert 4 <= len(brief) <= 8 and brief[-1].startswith("model")
     assert cli_main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"northcode", "python", "torch", "nvcc", "megakernel", "model"}
+    assert set(report) == {"northcode", "python", "torch", "nvcc", "megakernel", "torch_step", "model"}
 
 
 def test_megakernel_verdict_says_why_not():
@@ -88,3 +88,19 @@ def test_format_shows_gpu_memory_and_capability():
     text = format_report(report)
     assert "NVIDIA H200, compute capability 9.0, 140.0 GiB free of 141.0 GiB" in text
     assert "CUDA 12.8 build" in text and "megakernel  can run here" in text
+
+
+def test_doctor_says_how_the_torch_step_runs(fresh_home, monkeypatch):
+    """Eager on the CPU (compiled by default only with CUDA graphs on a GPU), compiled when the variable asks,
+    and a bad value of the variable reported, not raised."""
+    monkeypatch.delenv("NORTHCODE_TORCH_COMPILE", raising=False)
+    report = collect_report()
+    if not torch.cuda.is_available():
+        assert report["torch_step"] == {"compiled": False, "device": "cpu"}
+        assert "torch step  eager (the CPU); NORTHCODE_TORCH_COMPILE=1 compiles it" in format_report(report)
+    monkeypatch.setenv("NORTHCODE_TORCH_COMPILE", "1")
+    report = collect_report()
+    assert report["torch_step"]["compiled"] is True
+    assert "torch step  compiled with torch.compile at start-up" in format_report(report)
+    monkeypatch.setenv("NORTHCODE_TORCH_COMPILE", "yes")
+    assert "NORTHCODE_TORCH_COMPILE='yes'" in format_report(collect_report())

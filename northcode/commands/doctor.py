@@ -1,8 +1,8 @@
 """`northcode doctor`: what this machine can run, and which model northcode would load.
 
 Reports Python, torch (version, CPU or CUDA build), the GPU (name, compute capability, free
-memory), nvcc (path, version), whether the decode megakernel can run here (and why not), and the
-model. It never creates the demo checkpoint; it only says where it would be created.
+memory), nvcc (path, version), whether the decode megakernel can run here (and why not), how the torch
+backend's decode step would run (compiled or eager), and the model. It never creates the demo checkpoint; it only says where it would be created.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def collect_report(model: str | None = None) -> dict[str, Any]:
         "torch": torch_info,
         "nvcc": nvcc,
         "megakernel": _megakernel_verdict(torch_info, nvcc),
+        "torch_step": _torch_step(torch_info),
         "model": _model_info(model),
     }
 
@@ -112,6 +113,22 @@ def _megakernel_verdict(torch_info: dict[str, Any], nvcc: dict[str, Any]) -> dic
     return {"can_run": not reasons, "why_not": reasons}
 
 
+def _torch_step(torch_info: dict[str, Any]) -> dict[str, Any]:
+    """How the torch backend's decode step would run here: compiled (torch.compile at start-up, the default with
+    CUDA graphs on a GPU) or eager; NORTHCODE_TORCH_COMPILE decides when set (a bad value is reported)."""
+    if "error" in torch_info:
+        return {"error": torch_info["error"]}
+    import torch
+
+    from northcode.torch_backend.compiled_step import compile_requested
+
+    device = torch.device("cuda" if torch_info["cuda_available"] else "cpu")
+    try:
+        return {"compiled": compile_requested(None, device), "device": device.type}
+    except ValueError as err:
+        return {"error": str(err)}
+
+
 def _model_info(model: str | None) -> dict[str, Any]:
     from northcode import paths
 
@@ -153,6 +170,15 @@ def format_report(report: dict[str, Any], brief: bool = False) -> str:
     if not brief:
         lines.append("nvcc        " + (f"{nvcc['path']} (release {nvcc['version']})" if nvcc["path"] else "not found"))
     lines.append("megakernel  " + ("can run here" if mk["can_run"] else "cannot run here: " + "; ".join(mk["why_not"])))
+    step = {} if brief else report.get("torch_step", {})
+    if "error" in step:
+        lines.append(f"torch step  ERROR: {step['error']}")
+    elif step.get("compiled"):
+        lines.append("torch step  compiled with torch.compile at start-up (minutes the first time, then cached; "
+                     "NORTHCODE_TORCH_COMPILE=0: plain CUDA graphs)")
+    elif step:
+        lines.append("torch step  eager" + (" (the CPU)" if step["device"] == "cpu" else "")
+                     + "; NORTHCODE_TORCH_COMPILE=1 compiles it")
     if "error" in model:
         lines.append(f"model       ERROR: {model['error']}")
     else:
