@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         kernel.slot_weight.zero_()
         kernel.slot_weight[:n, 0] = 1.0 / n  # row 0 only: the batch is 1
         up = ("each", make_task(TaskType.MOE_UP, 1, (0, 0, -1)))  # slot counters 0..n-1, static shares
-        down = ("each", make_task(TaskType.MOE_DOWN, 1, (0, 0)))
+        down = ("each", make_task(TaskType.MOE_DOWN, 1, (0, 0, -1, 0, -1)))  # contiguous down shares
         for phase, waves, nbytes in (("up", [up], n * up_bytes), ("up+down", [up, down], n * (up_bytes + down_bytes))):
             schedule = flatten(place_waves(waves, kernel.num_blocks), n, 0)
             ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)

@@ -943,7 +943,8 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 //   known: up tiles u = (slot, 16 channels) taken round-robin (block r: u = r, r + blocks, ...: slots
 //   finish in order; MOE_UP's arg0 last blocks take none, combine_apart; or, where MOE_UP's arg2 names a
 //   counter, claimed from it in order a few tiles ahead, so that blocks leaving attention late take fewer; where
-//   its arg3 is set, the same task goes on with the block's down share: moe_fused), down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
+//   its arg3 is set, the same task goes on with the block's down share: moe_fused), down tiles (claimed in order
+//   from the counter in arg4 when it is >= 0: down_claims, so that blocks done with their up tiles first take more; or) d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
 //   slot, so its activation rows are loaded once per slot). Each lane streams its own pieces of the
 //   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
 //   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
@@ -969,10 +970,14 @@ struct MoeStream {  // one lane's view of a task's weight stream: tile i of the 
   int kind;          // StreamKind: which weights, and K (H for up, I for down)
   int first, stride, count, steps;  // the block's tiles: first + i * stride, i < count; steps per tile (this warp)
   uint4* ring;
-  int* claimed;   // up claims (MOE_UP arg2 >= 0), else null: shared memory, the block's i-th tile at [i & 7]
+  int* claimed;   // claims (up: MOE_UP arg2 >= 0; down: arg4 >= 0), else null: shared memory, tile i at [i & 7]
   int lookahead;  // claims: tiles claimed ahead of the one being multiplied (the ring reaches that far)
-  int total;      // tiles of the layer
+  int total;      // tiles of the layer (of the stream's kind)
 };
+
+// The counter a stream's claims take tiles from (read from the task's record in shared memory where used: one
+// register less in the streams' loops, which sit at the kernel's 255).
+__device__ __forceinline__ int claim_counter_of(const Task& t, bool up) { return up ? t.arg[2] : t.arg[4]; }
 constexpr int kClaimRing = kMoeStages + 2 <= 8 ? 8 : 16;  // a power of two
 static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts and the claims share GemmSmem.best");
 
@@ -1046,23 +1051,25 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   const int slots = loaded_slots >= 0 ? loaded_slots : __ldcg(p.moe_slots), blocks = p.num_blocks;
   const int rank = blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
-  // claims (MOE_UP arg2 >= 0): the block's first `lookahead` tiles from the layer's counter, the atomic in flight
-  // with the slots' load; the ring reaches `lookahead` - 1 tiles ahead of the one multiplied
-  const bool claims = up && t.arg[2] >= 0, claimer = claims && rank < blocks - t.arg[0];
+  // claims (up: arg2 >= 0, down: arg4 >= 0, the counter): the block's first `lookahead` tiles from the layer's
+  // counter, the atomic in flight with the slots' load; the ring reaches `lookahead` - 1 tiles ahead
+  const int claim_counter = claim_counter_of(t, up);
+  const bool claims = claim_counter >= 0, claimer = claims && (!up || rank < blocks - t.arg[0]);
   const int min_steps = max(1, nchunk / kWarps), lookahead = (kMoeStages + min_steps - 1) / min_steps + 1;
+  const int tiles_per_slot = up ? kUpTilesPerSlot : kDownTilesPerSlot;
   unsigned claim_base = 0;
-  if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + t.arg[2], (unsigned)lookahead);
+  if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + claim_counter, (unsigned)lookahead);
   __syncthreads();  // the previous user of this memory is done
   if (loaded_slots < 0)
     for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
   if (claims && threadIdx.x == 0) {
-    const int total = slots * kUpTilesPerSlot, base = claimer ? (int)claim_base : total;
+    const int total = slots * tiles_per_slot, base = claimer ? (int)claim_base : total;
     for (int j = 0; j < lookahead; ++j) experts[kExperts + j] = base + j < total ? base + j : -1;
   }
   __syncthreads();
   MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up ? STREAM_UP : STREAM_DOWN, 0, 1, 0,
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
-               reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * kUpTilesPerSlot};
+               reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * tiles_per_slot};
   static_assert(kMoeStages + 2 <= kClaimRing, "claims: tiles i .. i + lookahead (<= kMoeStages + 1) fit the ring");
   if (claims) {
     st.claimed = experts + kExperts;
@@ -1095,7 +1102,7 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
     // behind it); the ring first needs it during tile i + 1, after the reduction's barrier
     const bool claiming = st.claimed != nullptr && threadIdx.x == 0;
     unsigned claim = 0;
-    if (claiming) claim = atomicAdd(p.counters + t.arg[2], 1u);
+    if (claiming) claim = atomicAdd(p.counters + claim_counter_of(t, true), 1u);
     float acc[2][4];
     moe_tile_product<kUpSteps>(st, i, xa, acc);
     if (claiming) st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
@@ -1119,8 +1126,10 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
   uint4 xa[kDownSteps];
   float weight = 0.f;
   int loaded = -1;  // the slot whose activation rows xa holds
-  for (int i = 0; i < st.count; ++i) {
-    const int tile = moe_tile_of(st, i), slot = tile / kDownTilesPerSlot, row0 = (tile % kDownTilesPerSlot) * 32;
+  for (int i = 0;; ++i) {
+    const int tile = moe_tile_of(st, i);
+    if (tile < 0) break;
+    const int slot = tile / kDownTilesPerSlot, row0 = (tile % kDownTilesPerSlot) * 32;
     if (slot != loaded) {
       wait_counter(p, t.arg[1] + slot, kUpTilesPerSlot);
       const bf16* act = p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth;
@@ -1131,8 +1140,12 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
       loaded = slot;
     }
+    const bool claiming = st.claimed != nullptr && threadIdx.x == 0;  // as task_moe_up's claims
+    unsigned claim = 0;
+    if (claiming) claim = atomicAdd(p.counters + claim_counter_of(t, false), 1u);
     float acc[2][4];
     moe_tile_product<kDownSteps>(st, i, xa, acc);
+    if (claiming) st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
     reduce_warps<2>(acc, s.red, s.out);
     const int n = threadIdx.x >> 7, r = (threadIdx.x >> 3) & 15, b = threadIdx.x & 7;
     if (weight != 0.f)

@@ -35,6 +35,7 @@ class Variant:
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
     moe_fused: bool = False  # each block's MoE up and down shares in one task (tasks.build_schedule)
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
+    down_claims: bool = False  # MoE down tiles claimed in slot order, not contiguous shares
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -47,6 +48,8 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "moe-fused": Variant(moe_fused=True),  # day 3: not yet run on a GPU
     "lean-fused": Variant(flags=DEFAULT_FLAGS | FLAG_LEAN_DISPATCH, moe_fused=True),  # day 3: not yet run on a GPU
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3: not yet run on a GPU
+    "down-claims": Variant(down_claims=True),  # day 3: not yet run on a GPU
+    "fused-claims": Variant(moe_fused=True, down_claims=True),  # day 3: not yet run on a GPU
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),

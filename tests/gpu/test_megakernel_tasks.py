@@ -187,12 +187,13 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     kernel.x.copy_(x)
     router_tiles = -(-config.num_experts // 16)
     # counters: 0 router done, 1 topk done, 2 up tiles claimed (the variant's up_claims, else static shares),
-    # 3 unused, 4.. slot done
+    # 3 down tiles claimed (down_claims, else contiguous shares), 4.. slot done
     claims = 2 if VARIANTS[variant_from_env()].up_claims else -1
+    down_claims = 3 if VARIANTS[variant_from_env()].down_claims else -1
     waves = [[make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)],
              [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
              ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
-             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
+             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4, -1, 0, down_claims), ((1, 1),)))]
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.router_logits.zero_()
