@@ -263,11 +263,11 @@ def test_a_wait_that_never_ends_times_out_and_ends_the_step(geometry: str) -> No
     dispatch (lean-dispatch: a skipped task does not signal, its consumers stop on the status)."""
     from northcode.megakernel.kernel import TaskType, make_task
 
-    config, weights, model, cache, kernel = env(geometry)
-    kernel.params.timeout_ns = 20_000_000  # 20 ms
+    config, weights, model, cache, kernel = env(geometry)  # shared by the module's tests: the limit is put back
     # counter 0: never signalled; the NORM waits on it and would signal 1; eight NORMs on other blocks wait on 1
     waves = [[make_task(TaskType.NORM, 1, (0,), ((0, 1),), 1)],
              [make_task(TaskType.NORM, 1, (b,), ((1, 1),), 2) for b in range(8)]]
-    with pytest.raises(RuntimeError, match="timed out .counter 0, target 1"):
-        run(kernel, waves, num_counters=3)
+    with params_set(kernel, timeout_ns=20_000_000):  # 20 ms
+        with pytest.raises(RuntimeError, match="timed out .counter 0, target 1"):
+            run(kernel, waves, num_counters=3)
     run(kernel, [[make_task(TaskType.NORM, 1, (b,), (), 2) for b in range(8)]], num_counters=3)  # the next step runs
