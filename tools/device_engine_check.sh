@@ -11,7 +11,8 @@
 set -u
 OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"
-export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NORTHCODE_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+# the eager step's checks: its compiled form (the default on a GPU since day 3) has tools/device_torch_compile.sh
+export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NORTHCODE_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 NORTHCODE_TORCH_COMPILE=0
 : > "$OUT/engine_phases.txt"
 
 phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log, record the outcome

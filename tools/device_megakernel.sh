@@ -3,7 +3,8 @@
 #     run(command="bash tools/device_megakernel.sh", timeout_s=500)
 # Env: BENCH_ONLY (1: skip the tests), BENCH_VARIANTS (megakernel variants timed against the default, as megakernel/<name>),
 #      FULL49 (1: also the 49-layer teacher-forced test at B = 1, the 32K-context test and the free-running figure;
-#      NC_TEST_STEPS=256 for the 256 steps, ~3 min more), BENCH_TORCH (1: torch too).
+#      NC_TEST_STEPS=256 for the 256 steps, ~3 min more), BENCH_TORCH (1: torch too, its compiled step:
+#      ~2 min of compiling; NORTHCODE_TORCH_COMPILE=0 for the eager one).
 # Logs in $OUT/<phase>.log, figures in $OUT/report.jsonl (they come back as logs.tgz), the default's raw profiles
 # as $OUT/profile-megakernel-b{1,8}-c8192.pt; a short table is printed last.
 set -u
@@ -43,7 +44,9 @@ phase full ${FULL_LIMIT:-150} python3 -m pytest -q -rf "${FULL_TESTS[@]}"
 fi
 BACKENDS=megakernel
 [ "${BENCH_TORCH:-0}" = 1 ] && BACKENDS="megakernel torch"
-phase bench 150 python3 -m northcode.bench.decode_bench --quick --profile --backends $BACKENDS \
+BENCH_LIMIT=150
+[ "${BENCH_TORCH:-0}" = 1 ] && BENCH_LIMIT=330  # the torch step compiles batch 1 (~90 s cold) and 8 (~20 s)
+phase bench $BENCH_LIMIT python3 -m northcode.bench.decode_bench --quick --profile --backends $BACKENDS \
   --variants $BENCH_VARIANTS --out "$OUT/bench"
 cp "$OUT/bench/decode_bench.json" "$OUT/decode_bench.json" 2>/dev/null
 for b in 1 8; do  # the default's raw profiles come back (offline: python -m northcode.bench.profile_report FILE)
