@@ -354,8 +354,8 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
 template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
                           const bf16* act, int act_stride, int batch, float* red, float* out) {
-  // k-chunks in flight per lane: 8 loads of 16 B either way (two tiles x 4 chunks; more spills registers at
-  // 255); one tile takes 8 chunks, so its K = 2048 product is one round trip, not two (router, o_proj)
+  // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
+  // 220 bytes at 255 registers: day 3)
   constexpr int U = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int nchunk = K / 32;
@@ -941,11 +941,12 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 // ====  11. Tasks: MOE_UP and MOE_DOWN (streamed, statically shared)  ==========================
 //   Every SM runs one MOE_UP and one MOE_DOWN per layer. Once TOPK has written the slots, the work is
 //   known: up tiles u = (slot, 16 channels) taken round-robin (block r: u = r, r + blocks, ...: slots
-//   finish in order; MOE_UP's arg0 last blocks take none, combine_apart; or, where MOE_UP's arg2 names a
-//   counter, claimed from it in order a few tiles ahead, so that blocks leaving attention late take fewer; where
-//   its arg3 is set, the same task goes on with the block's down share: moe_fused), down tiles (claimed in order
-//   from the counter in arg4 when it is >= 0: down_claims, so that blocks done with their up tiles first take more; or) d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a
-//   slot, so its activation rows are loaded once per slot). Each lane streams its own pieces of the
+//   finish in order; MOE_UP's arg0 last blocks take none: combine_apart), down tiles d = (slot, 32 output
+//   rows) in contiguous ranges (a block's tiles share a slot, so its activation rows are loaded once per
+//   slot). Claims instead of those shares: where MOE_UP's arg2 (up) or MOE_DOWN's arg4 (down) names a
+//   counter, the block takes tiles from it in order a few tiles ahead, so that blocks leaving attention (or
+//   their up share) late take fewer. MOE_UP's arg3 set: the same task goes on with the block's down share
+//   (moe_fused; its arg4 then names the down counter). Each lane streams its own pieces of the
 //   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
 //   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
 //   per SM across tile boundaries, and multiplies a step once its copy group is complete; the block
@@ -985,6 +986,17 @@ static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts 
 __device__ __forceinline__ int moe_tile_of(const MoeStream& st, int i) {
   if (st.claimed) return st.claimed[i & (kClaimRing - 1)];
   return i < st.count ? st.first + i * st.stride : -1;
+}
+
+// Claims, around tile i's product: thread 0 asks for tile i + lookahead before it (claim_next) and writes the
+// answer after it (record_claim), so the atomic's round trip hides behind the product; the ring first needs that
+// tile during tile i + 1, after the reduction's barrier. Nothing without claims or on other threads.
+__device__ __forceinline__ unsigned claim_next(const Params& p, const Task& t, const MoeStream& st, bool up) {
+  return st.claimed != nullptr && threadIdx.x == 0 ? atomicAdd(p.counters + claim_counter_of(t, up), 1u) : 0u;
+}
+__device__ __forceinline__ void record_claim(const MoeStream& st, int i, unsigned claim) {
+  if (st.claimed != nullptr && threadIdx.x == 0)
+    st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
 }
 
 // Rows of the tile's two 16-row matrices (A, B) and K, for tile index `tile` of the stream's kind.
@@ -1098,14 +1110,10 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   for (int i = 0;; ++i) {
     const int tile = moe_tile_of(st, i);
     if (tile < 0) break;
-    // claims: tile i + lookahead, asked for now and written after the product (the atomic's round trip hides
-    // behind it); the ring first needs it during tile i + 1, after the reduction's barrier
-    const bool claiming = st.claimed != nullptr && threadIdx.x == 0;
-    unsigned claim = 0;
-    if (claiming) claim = atomicAdd(p.counters + claim_counter_of(t, true), 1u);
+    const unsigned claim = claim_next(p, t, st, true);
     float acc[2][4];
     moe_tile_product<kUpSteps>(st, i, xa, acc);
-    if (claiming) st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
+    record_claim(st, i, claim);
     reduce_warps<2>(acc, s.red, s.out);
     const int slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;
     const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
@@ -1140,12 +1148,10 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
       loaded = slot;
     }
-    const bool claiming = st.claimed != nullptr && threadIdx.x == 0;  // as task_moe_up's claims
-    unsigned claim = 0;
-    if (claiming) claim = atomicAdd(p.counters + claim_counter_of(t, false), 1u);
+    const unsigned claim = claim_next(p, t, st, false);
     float acc[2][4];
     moe_tile_product<kDownSteps>(st, i, xa, acc);
-    if (claiming) st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
+    record_claim(st, i, claim);
     reduce_warps<2>(acc, s.red, s.out);
     const int n = threadIdx.x >> 7, r = (threadIdx.x >> 3) & 15, b = threadIdx.x & 7;
     if (weight != 0.f)
