@@ -59,8 +59,7 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
     v = VARIANTS[variant]
     for blocks, context in ((132, 8192), (7, 100)):
         splits = attention_splits(config, batch, blocks, context)
-        schedule = build_schedule(config, batch, blocks, splits, v.wave_order, v.qkv_tiles, v.combine_apart,
-                                  v.up_claims, v.moe_fused, v.qkv_one_round, v.down_claims)
+        schedule = build_schedule(config, batch, blocks, splits, **v.schedule_options())
         assert schedule.tasks.shape[1] == TASK_WORDS
         counters, _ = simulate(schedule)
         tasks = schedule.tasks.tolist()

@@ -333,8 +333,7 @@ class Megakernel:
         splits = attention_splits(self.config, batch, self.num_blocks, context)
         key = (batch, splits, v)
         if key not in self._schedules:
-            s = build_schedule(self.config, batch, self.num_blocks, splits, v.wave_order, v.qkv_tiles, v.combine_apart,
-                               v.up_claims, v.moe_fused, v.qkv_one_round, v.down_claims)
+            s = build_schedule(self.config, batch, self.num_blocks, splits, **v.schedule_options())
             self._schedules[key] = Schedule(to_device(s.tasks, self.device), to_device(s.task_start, self.device),
                                             s.num_counters, s.num_lm_tasks)
         return self._schedules[key]

@@ -37,6 +37,12 @@ class Variant:
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
     down_claims: bool = False  # MoE down tiles claimed in slot order, not contiguous shares
 
+    def schedule_options(self) -> dict:
+        """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
+        return dict(order=self.wave_order, qkv_tiles=self.qkv_tiles, combine_apart=self.combine_apart,
+                    up_claims=self.up_claims, moe_fused=self.moe_fused, qkv_one_round=self.qkv_one_round,
+                    down_claims=self.down_claims)
+
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
     "default": Variant(),  # day 3 (runs 25-32): combine apart, up claims
