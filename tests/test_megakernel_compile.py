@@ -20,12 +20,18 @@ def _nvcc_or_skip() -> str:
         pytest.skip(str(err))
 
 
+@pytest.mark.parametrize("build", ["default", "lean-fused"])
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
-def test_compiles_for_sm90a_without_spills(preset: str, tmp_path) -> None:
+def test_compiles_for_sm90a_without_spills(preset: str, build: str, tmp_path) -> None:
+    """Both builds a variant can run on (Variant.build_defines): the default's and lean-fused's."""
+    from northcode.megakernel.variants import VARIANTS
+
     _nvcc_or_skip()
     config = preset_config(preset, 1003 if preset == "tiny" else None)
     assert unsupported_reason(config) is None
-    result = subprocess.run(nvcc_command(config, tmp_path / "megakernel.so", ("-Xptxas", "-v")),
+    defines = VARIANTS[build].build_defines()
+    assert bool(defines) == (build != "default")
+    result = subprocess.run(nvcc_command(config, tmp_path / "megakernel.so", ("-Xptxas", "-v"), defines),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)

@@ -68,7 +68,7 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
                 if idx >= 0:
                     assert counters.get(idx, 0) == target, f"{TaskType(t[0]).name} waits for {target}, gets {counters.get(idx, 0)}"
         kinds = {TaskType(t[0]) for t in tasks}
-        assert kinds == set(TaskType) - {TaskType.STOP} - ({TaskType.MOE_DOWN} if v.moe_fused else set())
+        assert kinds == set(TaskType) - {TaskType.STOP} - ({TaskType.MOE_DOWN} if v.lean_fused else set())
         assert max(max(t[8], t[9], t[12]) for t in tasks) < schedule.num_counters
 
 
@@ -150,8 +150,7 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
 
 def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
                      qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, combine_apart: bool,
-                     up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None,
-                     down_claims: bool = False) -> tuple:
+                     up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
@@ -188,7 +187,6 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
-    down_claim = counters.alloc() if down_claims else -1
     router_tiles = math.ceil(c.num_experts / 16)
     waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),), router_done)
                                            for t in range(router_tiles)]),
@@ -197,11 +195,11 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
     if apart:
         combine = ("last", combine)
     if moe_fused:
-        waves += [attn, combine, ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim, 1, down_claim),
+        waves += [attn, combine, ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim, 1),
                                                     ((topk_done, 1),), mlp_done)), oproj]
         return (oproj_done, len(oproj)), (mlp_done, num_blocks)
     up = ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim), ((topk_done, 1),)))
-    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done, -1, 0, down_claim), ((topk_done, 1),), mlp_done))
+    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
     waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
               "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return (oproj_done, len(oproj)), (mlp_done, num_blocks)
@@ -209,13 +207,13 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
 
 def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                               order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                              up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None,
-                              down_claims: bool = False) -> Schedule:
+                              up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None
+                              ) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
         previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves,
-                                    combine_apart, up_claims, moe_fused, q_tiles, down_claims)
+                                    combine_apart, up_claims, moe_fused, q_tiles)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -247,14 +245,13 @@ def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code", "north-mini-code-5"])
 @pytest.mark.parametrize("order", WAVE_ORDERS + ("attention-first combine-apart", "attention-first combine-apart claims",
                                                  "attention-first combine-apart claims fused",
-                                                 "attention-first combine-apart claims one-round",
-                                                 "attention-first combine-apart claims fused down-claims"))
+                                                 "attention-first combine-apart claims one-round"))
 def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
     """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
     contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
     order, *options = order.split()
     apart, claims, fused = "combine-apart" in options, "claims" in options, "fused" in options
-    one_round, down_claims = "one-round" in options, "down-claims" in options
+    one_round = "one-round" in options
     config = _preset(preset)
     seen = set()
     for batch in (1, 2, 3, 8):
@@ -268,9 +265,9 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
                     where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
                     q_tiles = one_round_q_tiles(config, blocks, qkv_tiles) if one_round else None
                     _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims, fused,
-                                                one_round, down_claims),
+                                                one_round),
                                  _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, apart, claims,
-                                                           fused, q_tiles, down_claims), where)
+                                                           fused, q_tiles), where)
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:

@@ -18,8 +18,12 @@ for n in ${STAGES:-6 8 10 12}; do
   timeout 90 python3 -m pytest -q -rf -k "tiny" $T "$D::test_tiny_teacher_forced" > "$OUT/tests-$n.log" 2>&1
   echo "stages $n tests rc=$? $(grep -hE 'passed|failed' "$OUT/tests-$n.log" | tail -1)"
   timeout 120 python3 -m northcode.bench.decode_bench --backends megakernel --batch 1 8 --context 8192 --steps 100 \
-    --warmup 10 --out "$OUT/bench-$n" > "$OUT/bench-$n.log" 2>&1
+    --warmup 10 --profile --out "$OUT/bench-$n" > "$OUT/bench-$n.log" 2>&1
   grep -E "^\| megakernel" "$OUT/bench-$n.log" | sed "s/^/stages $n /"
+  # per-type busy time (us summed over blocks) of the MoE and o_proj tasks: run 2 of day 3 session 2 found builds
+  # whose o_proj tasks run at 7 instead of 4.4 us for no change of theirs; this tells such a build apart
+  grep -E "^  profile megakernel B=1" "$OUT/bench-$n.log" | grep -oE "(OPROJ|MOE_UP|MOE_DOWN) wait [0-9.]+ busy [0-9.]+" \
+    | tr '\n' ' ' | sed "s/^/stages $n B=1 /"; echo
   timeout 90 python3 -m northcode.bench.moe_stream_bench > "$OUT/stream-$n.log" 2>&1  # the stream alone
   grep -E "read bandwidth|up" "$OUT/stream-$n.log" | sed "s/^/stages $n stream /"
 done

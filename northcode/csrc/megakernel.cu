@@ -96,8 +96,16 @@ enum TaskType : int {
 // Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
 // NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
 // OPROJ_RING: o_proj tiles stream through a per-lane cp.async ring (task_oproj_ring), issued after the wait.
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8,
-                   NC_FLAG_LEAN_DISPATCH = 16 };
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8 };
+
+// NC_LEAN_FUSED (compile time, the `lean-fused` variant's build; 0: the default): the dispatcher copies the next
+// task's record while a task runs and reads the step's status only in waits that spin, and a MOE_UP task whose
+// arg3 is set goes on with the block's MoE down share (tasks.build_schedule(moe_fused=True)). Compile time, not a
+// flag: as run-time flags (day 3, session 2) the same code slowed the default's o_proj tasks from 4.4 to 7.3 us
+// a tile (3.26 -> 3.49 ms a step at B = 1) with no instruction of theirs changed; see docs/performance.md.
+#ifndef NC_LEAN_FUSED
+#define NC_LEAN_FUSED 0
+#endif
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -221,21 +229,30 @@ __device__ void report(const Params& p, int code, int a, int b) {
   }
 }
 
-// Thread 0 spins until counters[idx] >= target (or the step aborted); the block then syncs. Returns, in thread 0,
-// whether the wait ended on the step's status (an abort or this wait's time-out) instead of the target.
+// Thread 0 spins until counters[idx] >= target (or the step aborted); the block then syncs. NC_LEAN_FUSED: returns,
+// in thread 0, whether the wait ended on the step's status (an abort or this wait's time-out) instead of the target.
+#if NC_LEAN_FUSED
+#define NC_WAIT_STOPPED stopped = true;
 __device__ bool wait_counter(const Params& p, int idx, int target) {
   bool stopped = false;
+#else
+#define NC_WAIT_STOPPED
+__device__ void wait_counter(const Params& p, int idx, int target) {
+#endif
   if (threadIdx.x == 0 && idx >= 0) {
     const long long start = global_ns();
     while (load_acquire(p.counters + idx) < (unsigned)target) {
-      if (*(volatile int*)p.status != 0) { stopped = true; break; }
-      if (global_ns() - start > p.timeout_ns) { report(p, NC_ERR_TIMEOUT, idx, target); stopped = true; break; }
+      if (*(volatile int*)p.status != 0) { NC_WAIT_STOPPED break; }
+      if (global_ns() - start > p.timeout_ns) { report(p, NC_ERR_TIMEOUT, idx, target); NC_WAIT_STOPPED break; }
       __nanosleep(64);
     }
   }
   __syncthreads();
+#if NC_LEAN_FUSED
   return stopped;
+#endif
 }
+#undef NC_WAIT_STOPPED
 
 // After the block's outputs are written: make them visible GPU-wide, then count one.
 __device__ void signal_counter(const Params& p, int idx) {
@@ -941,12 +958,11 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 // ====  11. Tasks: MOE_UP and MOE_DOWN (streamed, statically shared)  ==========================
 //   Every SM runs one MOE_UP and one MOE_DOWN per layer. Once TOPK has written the slots, the work is
 //   known: up tiles u = (slot, 16 channels) taken round-robin (block r: u = r, r + blocks, ...: slots
-//   finish in order; MOE_UP's arg0 last blocks take none: combine_apart), down tiles d = (slot, 32 output
-//   rows) in contiguous ranges (a block's tiles share a slot, so its activation rows are loaded once per
-//   slot). Claims instead of those shares: where MOE_UP's arg2 (up) or MOE_DOWN's arg4 (down) names a
-//   counter, the block takes tiles from it in order a few tiles ahead, so that blocks leaving attention (or
-//   their up share) late take fewer. MOE_UP's arg3 set: the same task goes on with the block's down share
-//   (moe_fused; its arg4 then names the down counter). Each lane streams its own pieces of the
+//   finish in order; MOE_UP's arg0 last blocks take none: combine_apart; or, where MOE_UP's arg2 names a
+//   counter, claimed from it in order a few tiles ahead, so that blocks leaving attention late take fewer),
+//   down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a slot, so its
+//   activation rows are loaded once per slot). NC_LEAN_FUSED builds: a MOE_UP whose arg3 is set goes on with
+//   the block's down share in the same task (moe_fused). Each lane streams its own pieces of the
 //   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
 //   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
 //   per SM across tile boundaries, and multiplies a step once its copy group is complete; the block
@@ -971,14 +987,10 @@ struct MoeStream {  // one lane's view of a task's weight stream: tile i of the 
   int kind;          // StreamKind: which weights, and K (H for up, I for down)
   int first, stride, count, steps;  // the block's tiles: first + i * stride, i < count; steps per tile (this warp)
   uint4* ring;
-  int* claimed;   // claims (up: MOE_UP arg2 >= 0; down: arg4 >= 0), else null: shared memory, tile i at [i & 7]
+  int* claimed;   // up claims (MOE_UP arg2 >= 0), else null: shared memory, the block's i-th tile at [i & 7]
   int lookahead;  // claims: tiles claimed ahead of the one being multiplied (the ring reaches that far)
-  int total;      // tiles of the layer (of the stream's kind)
+  int total;      // tiles of the layer
 };
-
-// The counter a stream's claims take tiles from (read from the task's record in shared memory where used: one
-// register less in the streams' loops, which sit at the kernel's 255).
-__device__ __forceinline__ int claim_counter_of(const Task& t, bool up) { return up ? t.arg[2] : t.arg[4]; }
 constexpr int kClaimRing = kMoeStages + 2 <= 8 ? 8 : 16;  // a power of two
 static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts and the claims share GemmSmem.best");
 
@@ -986,17 +998,6 @@ static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts 
 __device__ __forceinline__ int moe_tile_of(const MoeStream& st, int i) {
   if (st.claimed) return st.claimed[i & (kClaimRing - 1)];
   return i < st.count ? st.first + i * st.stride : -1;
-}
-
-// Claims, around tile i's product: thread 0 asks for tile i + lookahead before it (claim_next) and writes the
-// answer after it (record_claim), so the atomic's round trip hides behind the product; the ring first needs that
-// tile during tile i + 1, after the reduction's barrier. Nothing without claims or on other threads.
-__device__ __forceinline__ unsigned claim_next(const Params& p, const Task& t, const MoeStream& st, bool up) {
-  return st.claimed != nullptr && threadIdx.x == 0 ? atomicAdd(p.counters + claim_counter_of(t, up), 1u) : 0u;
-}
-__device__ __forceinline__ void record_claim(const MoeStream& st, int i, unsigned claim) {
-  if (st.claimed != nullptr && threadIdx.x == 0)
-    st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
 }
 
 // Rows of the tile's two 16-row matrices (A, B) and K, for tile index `tile` of the stream's kind.
@@ -1057,31 +1058,27 @@ __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
   for (int q = 0; q < kMoeStages; ++q) moe_issue(st, q);
 }
 
-// loaded_slots >= 0: the slots' experts are in shared memory already (the fused MoE task's down part)
-__device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up, int loaded_slots = -1) {
+__device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
   const int warp = threadIdx.x >> 5, nchunk = (up ? kHidden : kExpertWidth) / 32;
-  const int slots = loaded_slots >= 0 ? loaded_slots : __ldcg(p.moe_slots), blocks = p.num_blocks;
+  const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks;
   const int rank = blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
-  // claims (up: arg2 >= 0, down: arg4 >= 0, the counter): the block's first `lookahead` tiles from the layer's
-  // counter, the atomic in flight with the slots' load; the ring reaches `lookahead` - 1 tiles ahead
-  const int claim_counter = claim_counter_of(t, up);
-  const bool claims = claim_counter >= 0, claimer = claims && (!up || rank < blocks - t.arg[0]);
+  // claims (MOE_UP arg2 >= 0): the block's first `lookahead` tiles from the layer's counter, the atomic in flight
+  // with the slots' load; the ring reaches `lookahead` - 1 tiles ahead of the one multiplied
+  const bool claims = up && t.arg[2] >= 0, claimer = claims && rank < blocks - t.arg[0];
   const int min_steps = max(1, nchunk / kWarps), lookahead = (kMoeStages + min_steps - 1) / min_steps + 1;
-  const int tiles_per_slot = up ? kUpTilesPerSlot : kDownTilesPerSlot;
   unsigned claim_base = 0;
-  if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + claim_counter, (unsigned)lookahead);
+  if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + t.arg[2], (unsigned)lookahead);
   __syncthreads();  // the previous user of this memory is done
-  if (loaded_slots < 0)
-    for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
+  for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
   if (claims && threadIdx.x == 0) {
-    const int total = slots * tiles_per_slot, base = claimer ? (int)claim_base : total;
+    const int total = slots * kUpTilesPerSlot, base = claimer ? (int)claim_base : total;
     for (int j = 0; j < lookahead; ++j) experts[kExperts + j] = base + j < total ? base + j : -1;
   }
   __syncthreads();
   MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up ? STREAM_UP : STREAM_DOWN, 0, 1, 0,
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
-               reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * tiles_per_slot};
+               reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * kUpTilesPerSlot};
   static_assert(kMoeStages + 2 <= kClaimRing, "claims: tiles i .. i + lookahead (<= kMoeStages + 1) fit the ring");
   if (claims) {
     st.claimed = experts + kExperts;
@@ -1110,10 +1107,14 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   for (int i = 0;; ++i) {
     const int tile = moe_tile_of(st, i);
     if (tile < 0) break;
-    const unsigned claim = claim_next(p, t, st, true);
+    // claims: tile i + lookahead, asked for now and written after the product (the atomic's round trip hides
+    // behind it); the ring first needs it during tile i + 1, after the reduction's barrier
+    const bool claiming = st.claimed != nullptr && threadIdx.x == 0;
+    unsigned claim = 0;
+    if (claiming) claim = atomicAdd(p.counters + t.arg[2], 1u);
     float acc[2][4];
     moe_tile_product<kUpSteps>(st, i, xa, acc);
-    record_claim(st, i, claim);
+    if (claiming) st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
     reduce_warps<2>(acc, s.red, s.out);
     const int slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;
     const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
@@ -1127,17 +1128,15 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   __syncthreads();
 }
 
-__device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem, int loaded_slots = -1) {
+__device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  const MoeStream st = moe_stream(p, t, smem, false, loaded_slots);
+  const MoeStream st = moe_stream(p, t, smem, false);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   uint4 xa[kDownSteps];
   float weight = 0.f;
   int loaded = -1;  // the slot whose activation rows xa holds
-  for (int i = 0;; ++i) {
-    const int tile = moe_tile_of(st, i);
-    if (tile < 0) break;
-    const int slot = tile / kDownTilesPerSlot, row0 = (tile % kDownTilesPerSlot) * 32;
+  for (int i = 0; i < st.count; ++i) {
+    const int tile = moe_tile_of(st, i), slot = tile / kDownTilesPerSlot, row0 = (tile % kDownTilesPerSlot) * 32;
     if (slot != loaded) {
       wait_counter(p, t.arg[1] + slot, kUpTilesPerSlot);
       const bf16* act = p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth;
@@ -1148,10 +1147,8 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
       loaded = slot;
     }
-    const unsigned claim = claim_next(p, t, st, false);
     float acc[2][4];
     moe_tile_product<kDownSteps>(st, i, xa, acc);
-    record_claim(st, i, claim);
     reduce_warps<2>(acc, s.red, s.out);
     const int n = threadIdx.x >> 7, r = (threadIdx.x >> 3) & 15, b = threadIdx.x & 7;
     if (weight != 0.f)
@@ -1440,13 +1437,12 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     prefetch_l2(reinterpret_cast<const char*>(w) + off);
 }
 
-// LEAN_DISPATCH (a flag, day 3, not yet run on a GPU): two round trips fewer per task. The next task's record
-// is copied into the other half of a two-record buffer while this task runs (cp.async by 4 threads; tasks drain
-// their own copies, so the record's group is the only one left at the loop's top), instead of being loaded when
-// the task starts; and a task that was skipped because the step aborted does not signal, so a wait that is met
-// means its producers ran, and the status is read only by waits that spin (wait_counter) instead of once more
-// after every wait. Run 33's profile: a block spends ~0.7 us between one task's end and the next one's start
-// (the record's load) and 0.6-1.6 us from start to "met" even when the dependency was met long before.
+#if NC_LEAN_FUSED
+// The next task's record is copied into the other half of a two-record buffer while this task runs (cp.async by 4
+// threads; tasks drain their own copies, so the record's group is the only one left at the loop's top) instead
+// of being loaded when the task starts; and a task that was skipped because the step aborted does not signal,
+// so a wait that is met means its producers ran and the status is read only by waits that spin. Run 33's profile:
+// ~0.7 us from one task's end to the next one's start (the record's load), 0.6-1.6 us from start to "met".
 __device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* slot) {
   if (threadIdx.x < 4) {
     cp_async16(reinterpret_cast<unsigned char*>(slot) + 16 * threadIdx.x,
@@ -1454,33 +1450,43 @@ __device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* s
     asm volatile("cp.async.commit_group;");
   }
 }
+#endif
 
 __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(16) Task task[2];  // lean: this task's record and the next one's
   __shared__ int aborted;  // one thread reads the status, so that the whole block takes the same branch
-#define NC_END p.task_start[blockIdx.x + 1]  // read where used (as before the flag): no register held
-#define NC_LEAN ((p.flags & NC_FLAG_LEAN_DISPATCH) != 0)  // read where used: no register held across the tasks
-  if (NC_LEAN && p.task_start[blockIdx.x] < NC_END) copy_task_record(p, p.task_start[blockIdx.x], &task[p.task_start[blockIdx.x] & 1]);
-  for (int i = p.task_start[blockIdx.x]; i < NC_END; ++i) {
-    if (NC_LEAN) {
-      if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
-    } else if (threadIdx.x < 16) {
-      reinterpret_cast<int*>(&task[i & 1])[threadIdx.x] = reinterpret_cast<const int*>(p.tasks + i)[threadIdx.x];
-    }
+#if NC_LEAN_FUSED
+  __shared__ __align__(16) Task task[2];  // this task's record and the next one's
+  if (p.task_start[blockIdx.x] < p.task_start[blockIdx.x + 1])
+    copy_task_record(p, p.task_start[blockIdx.x], &task[p.task_start[blockIdx.x] & 1]);
+  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
+    if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
     __syncthreads();
-    const Task& t = task[i & 1];  // read from shared memory where used: no 16 registers held across the task
-    if (NC_LEAN && i + 1 < NC_END) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read by all before the barrier above
+    const Task& t = task[i & 1];  // read where used (a register copy spills 20 bytes in this build)
+    if (i + 1 < p.task_start[blockIdx.x + 1]) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read above, by all
+#else
+  __shared__ Task task;
+  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
+    if (threadIdx.x < 16) reinterpret_cast<int*>(&task)[threadIdx.x] = reinterpret_cast<const int*>(p.tasks + i)[threadIdx.x];
+    __syncthreads();
+    const Task t = task;
+#endif
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
     if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
     const bool oproj_ring = t.type == TASK_OPROJ && (p.flags & NC_FLAG_OPROJ_RING);
     if (oproj_ring) oproj_ring_prologue(p, t, smem);  // o_proj's ring: its first loads before the wait
     else if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
-    if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < NC_END)
+    if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
       prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
+#if NC_LEAN_FUSED
     bool stopped = wait_counter(p, t.wait[0], t.target[0]);
     stopped |= wait_counter(p, t.wait[1], t.target[1]);
-    if (threadIdx.x == 0) aborted = NC_LEAN ? stopped : *(volatile int*)p.status != 0;
+    if (threadIdx.x == 0) aborted = stopped;
+#else
+    wait_counter(p, t.wait[0], t.target[0]);
+    wait_counter(p, t.wait[1], t.target[1]);
+    if (threadIdx.x == 0) aborted = *(volatile int*)p.status;
+#endif
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
     __syncthreads();
     if (!aborted) {
@@ -1493,11 +1499,15 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
         case TASK_OPROJ: if (p.flags & NC_FLAG_OPROJ_RING) task_oproj_ring(p, t, smem); else task_oproj(p, t, smem); break;
         case TASK_ROUTER: task_router(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
-        case TASK_MOE_UP:  // arg3 != 0: fused, the block's down share follows in the same task (moe_fused)
+#if NC_LEAN_FUSED
+        case TASK_MOE_UP:  // arg3 != 0: the block's down share follows in the same task (moe_fused)
           task_moe_up(p, t, smem);
           if (!t.arg[3]) break;
           [[fallthrough]];  // one call site of the down share: inlined once
-        case TASK_MOE_DOWN: task_moe_down(p, t, smem, t.type == TASK_MOE_UP ? __ldcg(p.moe_slots) : -1); break;
+#else
+        case TASK_MOE_UP: task_moe_up(p, t, smem); break;
+#endif
+        case TASK_MOE_DOWN: task_moe_down(p, t, smem); break;
         case TASK_DENSE_UP: task_dense_up(p, t, smem); break;
         case TASK_DENSE_DOWN: task_dense_down(p, t, smem); break;
         case TASK_LM_HEAD: task_lm_head(p, t, smem); break;
@@ -1507,12 +1517,16 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     } else {
       asm volatile("cp.async.wait_group 0;" ::: "memory");  // copies issued before the wait (a skipped task's)
     }
-    if (!(NC_LEAN && aborted)) signal_counter(p, t.signal);  // lean: a skipped task leaves its consumers to the status
+#if NC_LEAN_FUSED
+    if (!aborted) signal_counter(p, t.signal);  // a skipped task leaves its consumers to the status
+#else
+    signal_counter(p, t.signal);
+#endif
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 2] = global_ns();
   }
-  if (NC_LEAN && threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");
-#undef NC_LEAN
-#undef NC_END
+#if NC_LEAN_FUSED
+  if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
 }
 
 // Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.

@@ -122,20 +122,25 @@ def tuning_defines() -> dict[str, int]:
     return chosen
 
 
-def nvcc_command(config: ModelConfig, output: Path, extra_flags: tuple[str, ...] = ()) -> list[str]:
-    defines = [f"-D{k}={v}" for k, v in {**geometry(config), **tuning_defines()}.items()]
+def nvcc_command(config: ModelConfig, output: Path, extra_flags: tuple[str, ...] = (),
+                 variant_defines: dict[str, int] | None = None) -> list[str]:
+    """variant_defines: Variant.build_defines() (a variant that needs its own build)."""
+    defines = [f"-D{k}={v}" for k, v in {**geometry(config), **tuning_defines(), **(variant_defines or {})}.items()]
     return [find_nvcc(), *NVCC_FLAGS, *extra_flags, *defines, "-o", str(output), str(SOURCE)]
 
 
-def build_library(config: ModelConfig, cache_dir: Path | None = None) -> Path:
-    """Compile (first use) and return the shared library for this geometry; builds are cached and locked."""
+def build_library(config: ModelConfig, cache_dir: Path | None = None,
+                  variant_defines: dict[str, int] | None = None) -> Path:
+    """Compile (first use) and return the shared library for this geometry (and variant build); builds are
+    cached and locked."""
     reason = unsupported_reason(config)
     if reason:
         raise ValueError(f"megakernel: unsupported model: {reason}")
     nvcc = find_nvcc()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((geometry(config), NVCC_FLAGS, version, tuning_defines()))
-                         .encode()).hexdigest()[:20]
+    variant_defines = dict(sorted((variant_defines or {}).items()))
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((geometry(config), NVCC_FLAGS, version, tuning_defines(),
+                                                     variant_defines)).encode()).hexdigest()[:20]
     cache_dir = cache_dir or paths.data_dir() / "kernels"
     cache_dir.mkdir(parents=True, exist_ok=True)
     library = cache_dir / f"megakernel-{key}.so"
@@ -146,7 +151,8 @@ def build_library(config: ModelConfig, cache_dir: Path | None = None) -> Path:
         if library.is_file():
             return library
         partial = library.with_suffix(f".tmp{os.getpid()}")
-        result = subprocess.run(nvcc_command(config, partial), capture_output=True, text=True)
+        result = subprocess.run(nvcc_command(config, partial, variant_defines=variant_defines), capture_output=True,
+                                text=True)
         if result.returncode != 0:
             raise RuntimeError(f"megakernel: nvcc failed for {SOURCE}:\n{result.stderr[-4000:]}")
         partial.rename(library)
@@ -229,7 +235,10 @@ class Megakernel:
         from northcode.model.model import rope_inv_freq
 
         self.config, self.device = config, k_pool.device
-        self.lib = load_library(build_library(config), config)
+        if variant not in VARIANTS:
+            raise ValueError(f"megakernel: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+        self.build_defines = VARIANTS[variant].build_defines()  # the build every later variant must share
+        self.lib = load_library(build_library(config, variant_defines=self.build_defines), config)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self._weights = self._check_weights(weights)
         self.layer_ptrs = torch.tensor(self._layer_pointers(), dtype=torch.int64, device=self.device)
@@ -251,9 +260,14 @@ class Megakernel:
         self._rows_turn = 0
 
     def set_variant(self, name: str) -> None:
-        """Run later steps as VARIANTS[name] (flags and schedule options); "default" is the tested path."""
+        """Run later steps as VARIANTS[name] (flags and schedule options); "default" is the tested path. A variant
+        with another build (Variant.build_defines) needs its own Megakernel."""
         if name not in VARIANTS:
             raise ValueError(f"megakernel: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        if VARIANTS[name].build_defines() != self.build_defines:
+            raise ValueError(f"megakernel: variant {name!r} runs on another build of the kernel than this one's "
+                             f"({VARIANTS[name].build_defines() or 'the default'}); make a Megakernel with "
+                             f"variant={name!r}")
         self.variant_name, self.variant = name, VARIANTS[name]
         self.params.flags = self.variant.flags
         self.params.kv_stages = min(self.variant.kv_stages, self.lib.nc_max_kv_stages())

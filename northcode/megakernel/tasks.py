@@ -212,7 +212,7 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
                  order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False,
-                 moe_fused: bool = False, down_claims: bool = False) -> tuple[list, tuple]:
+                 moe_fused: bool = False) -> tuple[list, tuple]:
     """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on."""
     norm_done = counters.alloc()
     norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
@@ -231,7 +231,6 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
-    down_claim = counters.alloc() if down_claims else -1
     router_tiles = math.ceil(c.num_experts / 16)
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
     router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)), 1),
@@ -239,14 +238,14 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
     # arg0: the last blocks that take no up tile (combine_apart); arg1: the first "slot done" counter; arg2: the
     # counter up tiles are claimed from (up_claims), or -1: static round-robin shares; arg3: 1 when the block's
-    # down share follows in the same task (moe_fused: one task boundary less; COMBINE then goes before it); arg4:
-    # the counter down tiles are claimed from (down_claims, read by the down share), or -1: contiguous shares
+    # down share follows in the same task (moe_fused, for the kernel's NC_LEAN_FUSED build: one task boundary
+    # less; COMBINE then goes before it)
     if moe_fused:
-        up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim, 1, down_claim), ((topk_done, 1),),
+        up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim, 1), ((topk_done, 1),),
                     mlp_done)
         return [norm, router, topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
     up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim), ((topk_done, 1),))
-    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done, -1, 0, down_claim), ((topk_done, 1),), mlp_done)
+    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), ((topk_done, 1),), mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
@@ -300,17 +299,15 @@ def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> i
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                   up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
-                   down_claims: bool = False) -> Schedule:
+                   up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
     tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight). combine_apart:
     COMBINE_APART_MAX's placement. up_claims: blocks claim MoE up tiles from a per-layer counter. moe_fused: each
-    block's up and down shares in one task, after COMBINE (the order is then fixed). qkv_one_round: larger query
-    tasks where needed so that every block has at most one QKV task (one_round_q_tiles). down_claims: down tiles
-    claimed in slot order from a per-layer counter instead of contiguous shares. Waves are
-    _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
+    block's up and down shares in one task, after COMBINE (the order is then fixed; the kernel's NC_LEAN_FUSED build
+    only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
+    (one_round_q_tiles). Waves are _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
     place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
@@ -320,7 +317,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
         layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             combine_apart, up_claims, moe_fused, down_claims)
+                                             combine_apart, up_claims, moe_fused)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))

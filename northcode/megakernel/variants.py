@@ -12,7 +12,6 @@ from dataclasses import dataclass
 FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
 FLAG_NO_KV_PRELOAD = 4  # attention issues no KV page copy before its dependency wait
 FLAG_OPROJ_RING = 8  # o_proj tiles stream through a per-lane cp.async ring (issued after the task's wait)
-FLAG_LEAN_DISPATCH = 16  # the next task's record copied during this one; skipped tasks do not signal (the .cu)
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
 
 
@@ -23,9 +22,10 @@ DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """How one decode step is run: Params.flags, the attention ring's stages, and build_schedule's options.
-    Every variant runs the one kernel: a variant that needs other code generation is not a variant
-    (docs/performance.md, run 4: a second kernel's code generation cost more than its ideas gained)."""
+    """How one decode step is run: Params.flags, the attention ring's stages, build_schedule's options, and
+    (lean_fused only) the kernel's build. Variants share the default's build where they can (run 4: a second
+    kernel's code generation cost more than its ideas gained); lean_fused cannot: as run-time flags its code
+    slowed the default by 7% (docs/performance.md, day 3 session 2), so its build has it and the default's not."""
 
     flags: int = DEFAULT_FLAGS
     kv_stages: int = 3
@@ -33,15 +33,17 @@ class Variant:
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
     combine_apart: bool = True  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
-    moe_fused: bool = False  # each block's MoE up and down shares in one task (tasks.build_schedule)
+    lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; each block's MoE up and down shares in one task
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
-    down_claims: bool = False  # MoE down tiles claimed in slot order, not contiguous shares
 
     def schedule_options(self) -> dict:
         """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
         return dict(order=self.wave_order, qkv_tiles=self.qkv_tiles, combine_apart=self.combine_apart,
-                    up_claims=self.up_claims, moe_fused=self.moe_fused, qkv_one_round=self.qkv_one_round,
-                    down_claims=self.down_claims)
+                    up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round)
+
+    def build_defines(self) -> dict[str, int]:
+        """The -D defines of the kernel build this variant runs on (empty: the default's build)."""
+        return {"NC_LEAN_FUSED": 1} if self.lean_fused else {}
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -50,12 +52,8 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "oproj-ring": Variant(flags=DEFAULT_FLAGS | FLAG_OPROJ_RING),  # the default of runs 28-31
     "no-combine-apart": Variant(combine_apart=False),
     "no-claims": Variant(up_claims=False),
-    "lean-dispatch": Variant(flags=DEFAULT_FLAGS | FLAG_LEAN_DISPATCH),  # day 3: not yet run on a GPU
-    "moe-fused": Variant(moe_fused=True),  # day 3: not yet run on a GPU
-    "lean-fused": Variant(flags=DEFAULT_FLAGS | FLAG_LEAN_DISPATCH, moe_fused=True),  # day 3: not yet run on a GPU
-    "qkv-one-round": Variant(qkv_one_round=True),  # day 3: not yet run on a GPU
-    "down-claims": Variant(down_claims=True),  # day 3: not yet run on a GPU
-    "fused-claims": Variant(moe_fused=True, down_claims=True),  # day 3: not yet run on a GPU
+    "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
+    "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),

@@ -187,13 +187,12 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     kernel.x.copy_(x)
     router_tiles = -(-config.num_experts // 16)
     # counters: 0 router done, 1 topk done, 2 up tiles claimed (the variant's up_claims, else static shares),
-    # 3 down tiles claimed (down_claims, else contiguous shares), 4.. slot done
+    # 3 unused, 4.. slot done
     claims = 2 if VARIANTS[variant_from_env()].up_claims else -1
-    down_claims = 3 if VARIANTS[variant_from_env()].down_claims else -1
     waves = [[make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)],
              [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
              ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
-             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4, -1, 0, down_claims), ((1, 1),)))]
+             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.router_logits.zero_()
@@ -260,7 +259,7 @@ def test_lm_head_and_greedy_sample(geometry: str) -> None:
 def test_a_wait_that_never_ends_times_out_and_ends_the_step(geometry: str) -> None:
     """A task waiting on a counter nobody signals times out: the step ends (no hang) with the time-out's status,
     and the tasks behind it on other blocks (waiting on what it would signal) end too, under the variant's
-    dispatch (lean-dispatch: a skipped task does not signal, its consumers stop on the status). The consumers
+    dispatch (lean-fused's build: a skipped task does not signal, its consumers stop on the status). The consumers
     started their clocks at the same time, so one of them may be the first to report (counter 1)."""
     from northcode.megakernel.kernel import TaskType, make_task
 
