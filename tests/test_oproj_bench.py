@@ -1,0 +1,54 @@
+"""CPU: northcode/bench/oproj_bench.py's waves are what it says (o_proj tiles of the layers after the dense one,
+phased rounds chained by their counters) and bad arguments stop it before it touches a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from northcode.bench import oproj_bench
+from northcode.megakernel.tasks import TaskType, flatten, place_waves
+from northcode.model.synthetic import preset_config
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    oproj_bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _config():
+    return dataclasses.replace(preset_config("north-mini-code"), num_hidden_layers=oproj_bench.LAYERS,
+                               layer_types=None, mlp_layer_types=None)
+
+
+@pytest.mark.parametrize("phased", [False, True])
+def test_waves_cycle_the_layers_and_chain_when_phased(phased: bool) -> None:
+    config, rounds = _config(), 10
+    waves = oproj_bench.oproj_waves(config, rounds, phased)
+    tiles = config.hidden_size // 16
+    assert len(waves) == rounds and all(len(w) == tiles for w in waves)
+    for r, wave in enumerate(waves):
+        assert {t[0] for t in wave} == {int(TaskType.OPROJ)}
+        assert {t[1] for t in wave} == {1 + r % (oproj_bench.LAYERS - 1)}  # never the dense layer 0
+        assert sorted(t[2] for t in wave) == list(range(tiles)) and {t[3] for t in wave} == {1}
+        wait, target, signal = {t[8] for t in wave}, {t[10] for t in wave}, {t[12] for t in wave}
+        if phased:
+            assert signal == {r} and (wait, target) == (({r - 1}, {tiles}) if r else ({-1}, {0}))
+        else:
+            assert wait == {-1} and signal == {-1}
+    schedule = flatten(place_waves(waves, 132), rounds, 0)  # one tile per SM a round
+    assert schedule.tasks.shape[0] == rounds * tiles
+
+
+@pytest.mark.parametrize("argv", [("--rounds", "0"), ("--repeats", "0")])
+def test_bad_counts_are_refused(argv: tuple[str, ...]) -> None:
+    with pytest.raises(SystemExit, match="at least 1"):
+        oproj_bench.run(_args(*argv))
+
+
+def test_defaults_are_a_steps_worth() -> None:
+    args = _args()
+    assert args.rounds == 49 and args.repeats > 0 and args.variant == "default"
