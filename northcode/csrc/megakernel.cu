@@ -78,11 +78,12 @@ static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
 enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
-  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
+  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope, arg3 local norm (NC_LOCAL_NORM):
+                        // q, and K/V into the pages
   TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles, arg2 local norm (NC_LOCAL_NORM): router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
   TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
   TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
@@ -105,6 +106,13 @@ enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_F
 // a tile (3.26 -> 3.49 ms a step at B = 1) with no instruction of theirs changed; see docs/performance.md.
 #ifndef NC_LEAN_FUSED
 #define NC_LEAN_FUSED 0
+#endif
+// NC_LOCAL_NORM (compile time, the `local-norm` variant's build; 0: the default): a QKV task whose arg3 is set, and
+// a ROUTER task whose arg2 is set, normalise the residual rows themselves (local_norm_rows) instead of waiting
+// for the layer's NORM task and reading its h: the layer's first products start one task hop (~4 us at B = 1)
+// earlier. NORM still runs (the rounded residual, h for the MoE tasks); tasks.build_schedule(local_norm=True).
+#ifndef NC_LOCAL_NORM
+#define NC_LOCAL_NORM 0
 #endif
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
@@ -368,7 +376,7 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
-template <int NT>
+template <int NT, bool kSharedAct = false>  // kSharedAct: act is in shared memory (local_norm_rows' h)
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
                           const bf16* act, int act_stride, int batch, float* red, float* out) {
   // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
@@ -401,7 +409,10 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
           wb[n][u] = load_weight16(w_hi[n] + c * 32);
         }
-        xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+        if constexpr (kSharedAct)
+          xa[u] = has_row ? *reinterpret_cast<const uint4*>(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+        else
+          xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
@@ -503,6 +514,119 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
 #endif
 }
 
+#if NC_LOCAL_NORM
+// The NORM task's h for the batch's rows, computed by this block into shared memory: the rows of x go into
+// shared memory by cp.async (one round trip, no register per value in flight: a register copy of 8 rows spilled
+// 312 bytes at 255), the norm weight into registers meanwhile; the rows' sums meet in one block reduction. The
+// same arithmetic as task_norm: h is NORM's bit for bit. Layout: x's rows (fp32 [8][H]) from 0, where the
+// products' GemmSmem goes once they are read; h (bf16 [8][kLocalHStride]) after them; the reduction's floats last.
+constexpr int kLocalHStride = kHidden + 8;  // bf16: +16 B a row keeps mma_tiles' activation loads conflict-free
+constexpr size_t kLocalStageBytes = size_t{kMaxBatch} * kHidden * 4;
+constexpr size_t kLocalHOffset = ((kLocalStageBytes > sizeof(GemmSmem) ? kLocalStageBytes : sizeof(GemmSmem)) + 15) / 16 * 16;
+constexpr size_t kLocalRedOffset = kLocalHOffset + ((size_t)kMaxBatch * kLocalHStride * 2 + 15) / 16 * 16;
+constexpr size_t kLocalNormSmemBytes = kLocalRedOffset + (size_t)kWarps * kMaxBatch * 4;
+static_assert(kHidden % 4 == 0, "local norm: x rows copied in 16-byte pieces");
+
+// Block-wide sums of kN values at once (every thread gets all kN); `red` holds kWarps x kN floats.
+template <int kN>
+__device__ void block_sums(float (&v)[kN], float* red) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n) v[n] = warp_sum(v[n]);
+  __syncthreads();  // the previous user of `red` is done
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int n = 0; n < kN; ++n) red[(threadIdx.x >> 5) * kN + n] = v[n];
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+    v[n] = 0.f;
+    for (int w = 0; w < kWarps; ++w) v[n] += red[w * kN + n];
+  }
+}
+
+__device__ const bf16* local_norm_rows(const Params& p, int layer, unsigned char* smem) {
+  constexpr int kPer = (kHidden + kThreads - 1) / kThreads;
+  float* stage = reinterpret_cast<float*>(smem);  // [batch][kHidden]: bf16-rounded where used
+  bf16* h = reinterpret_cast<bf16*>(smem + kLocalHOffset);
+  float* red = reinterpret_cast<float*>(smem + kLocalRedOffset);  // kWarps x kMaxBatch
+  const int batch = p.batch_size;
+  __syncthreads();  // the previous user of this memory is done
+  for (int k = threadIdx.x; k < batch * kHidden / 4; k += kThreads) cp_async16(stage + 4 * k, p.x + 4 * k);
+  asm volatile("cp.async.commit_group;");
+  const bf16* weight = layer_ptr(p, layer, LP_NORM);
+  float w[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    w[j] = i < kHidden ? to_f(weight[i]) : 0.f;
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();
+  float part[kMaxBatch];
+#if NC_RMS_NORM
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) {
+    part[b] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (b < batch && i < kHidden) {
+        const float v = bf16_round(stage[b * kHidden + i]);
+        part[b] += v * v;
+      }
+    }
+  }
+  block_sums<kMaxBatch>(part, red);
+  for (int b = 0; b < batch; ++b) {
+    const float inv = 1.0f / sqrtf(part[b] / kHidden + p.norm_eps);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (i < kHidden)
+        h[b * kLocalHStride + i] = __float2bfloat16_rn(w[j] * bf16_round(bf16_round(stage[b * kHidden + i]) * inv));
+    }
+  }
+#else
+  float mean[kMaxBatch];
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) {
+    part[b] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (b < batch && i < kHidden) part[b] += bf16_round(stage[b * kHidden + i]);
+    }
+  }
+  block_sums<kMaxBatch>(part, red);
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) {
+    mean[b] = part[b] / kHidden;
+    part[b] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (b < batch && i < kHidden) {
+        const float d = bf16_round(stage[b * kHidden + i]) - mean[b];
+        part[b] += d * d;
+      }
+    }
+  }
+  block_sums<kMaxBatch>(part, red);
+  for (int b = 0; b < batch; ++b) {
+    const float inv = 1.0f / sqrtf(part[b] / kHidden + p.norm_eps);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (i < kHidden)
+        h[b * kLocalHStride + i] = __float2bfloat16_rn(w[j] * ((bf16_round(stage[b * kHidden + i]) - mean[b]) * inv));
+    }
+  }
+#endif
+  __syncthreads();
+  return h;
+}
+#endif
+
 // ====  5. Task: QKV  ===========================================================================
 //   16-row tiles of the stacked [q; k; v] projection of h (K = H). Epilogue per (row r, batch b):
 //   round to bf16, GPT-J RoPE on q and k where the layer uses it (pairs 2i, 2i+1 are rows r, r^1 of
@@ -545,23 +669,32 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
                               : layer_ptr(p, layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
 }
 
-__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
+// act: h (global, NORM's; or shared, local_norm_rows') with rows act_stride apart
+template <bool kSharedAct>
+__device__ void qkv_products(const Params& p, const Task& t, unsigned char* smem, const bf16* act, int act_stride) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int end = t.arg[0] + t.arg[1];
   for (int tile = t.arg[0]; tile < end; tile += 2) {  // two tiles per product when the task has them
     if (tile + 1 < end) {
       const bf16* tiles[2] = {qkv_weight_tile(p, t.layer, tile), qkv_weight_tile(p, t.layer, tile + 1)};
       const int valid[2] = {16, 16};
-      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      mma_tiles<2, kSharedAct>(tiles, valid, kHidden, act, act_stride, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
-      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      mma_tiles<1, kSharedAct>(tiles, valid, kHidden, act, act_stride, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     }
   }
+}
+
+__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
+#if NC_LOCAL_NORM
+  if (t.arg[3]) return qkv_products<true>(p, t, smem, local_norm_rows(p, t.layer, smem), kLocalHStride);
+#endif
+  qkv_products<false>(p, t, smem, p.h, kHidden);
 }
 
 // ====  6. Task: ATTN  ==========================================================================
@@ -845,18 +978,26 @@ __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) 
 
 // ====  9. Task: ROUTER  ========================================================================
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
-__device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
+template <bool kSharedAct>
+__device__ void router_products(const Params& p, const Task& t, unsigned char* smem, const bf16* act, int act_stride) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    mma_tiles<1, kSharedAct>(tiles, valid, kHidden, act, act_stride, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
       if (p.trace_router) p.trace_router[((size_t)t.layer * kMaxBatch + b) * kExperts + e] = bf16_round(s.out[i]);
     }
   }
+}
+
+__device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
+#if NC_LOCAL_NORM
+  if (t.arg[2]) return router_products<true>(p, t, smem, local_norm_rows(p, t.layer, smem), kLocalHStride);
+#endif
+  router_products<false>(p, t, smem, p.h, kHidden);
 }
 
 // ====  10. Task: TOPK  =========================================================================
@@ -1533,6 +1674,9 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
 constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
+#if NC_LOCAL_NORM
+static_assert(kLocalNormSmemBytes <= kBaseSmemBytes, "local norm: its h and x rows fit every launch's shared memory");
+#endif
 
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";

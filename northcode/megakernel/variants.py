@@ -23,9 +23,10 @@ DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT
 @dataclass(frozen=True, slots=True)
 class Variant:
     """How one decode step is run: Params.flags, the attention ring's stages, build_schedule's options, and
-    (lean_fused only) the kernel's build. Variants share the default's build where they can (run 4: a second
-    kernel's code generation cost more than its ideas gained); lean_fused cannot: as run-time flags its code
-    slowed the default by 7% (docs/performance.md, day 3 session 2), so its build has it and the default's not."""
+    (lean_fused, local_norm) the kernel's build. Variants share the default's build where they can (run 4: a
+    second kernel's code generation cost more than its ideas gained); these two cannot: as run-time flags the
+    lean dispatch slowed the default by 7% (docs/performance.md, day 3 session 2), so a variant's code that the
+    default does not run is compiled only into the variant's build (build_defines)."""
 
     flags: int = DEFAULT_FLAGS
     kv_stages: int = 3
@@ -34,16 +35,18 @@ class Variant:
     combine_apart: bool = True  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
     lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; each block's MoE up and down shares in one task
+    local_norm: bool = False  # the NC_LOCAL_NORM build: QKV and the router normalise the residual themselves
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
 
     def schedule_options(self) -> dict:
         """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
         return dict(order=self.wave_order, qkv_tiles=self.qkv_tiles, combine_apart=self.combine_apart,
-                    up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round)
+                    up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round,
+                    local_norm=self.local_norm)
 
     def build_defines(self) -> dict[str, int]:
         """The -D defines of the kernel build this variant runs on (empty: the default's build)."""
-        return {"NC_LEAN_FUSED": 1} if self.lean_fused else {}
+        return {**({"NC_LEAN_FUSED": 1} if self.lean_fused else {}), **({"NC_LOCAL_NORM": 1} if self.local_norm else {})}
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -54,6 +57,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
+    "local-norm": Variant(local_norm=True),  # its own build; day 3 session 2, not yet run on a GPU
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),
