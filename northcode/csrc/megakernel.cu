@@ -562,32 +562,11 @@ __device__ const bf16* local_norm_rows(const Params& p, int layer, unsigned char
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   __syncthreads();
-  float part[kMaxBatch];
-#if NC_RMS_NORM
+  // LayerNorm: the rows' means first; RMSNorm: mean 0 (v - 0 is v exactly: task_norm's sums, bit for bit)
+  float part[kMaxBatch], mean[kMaxBatch];
 #pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {
-    part[b] = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = threadIdx.x + j * kThreads;
-      if (b < batch && i < kHidden) {
-        const float v = bf16_round(stage[b * kHidden + i]);
-        part[b] += v * v;
-      }
-    }
-  }
-  block_sums<kMaxBatch>(part, red);
-  for (int b = 0; b < batch; ++b) {
-    const float inv = 1.0f / sqrtf(part[b] / kHidden + p.norm_eps);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = threadIdx.x + j * kThreads;
-      if (i < kHidden)
-        h[b * kLocalHStride + i] = __float2bfloat16_rn(w[j] * bf16_round(bf16_round(stage[b * kHidden + i]) * inv));
-    }
-  }
-#else
-  float mean[kMaxBatch];
+  for (int b = 0; b < kMaxBatch; ++b) mean[b] = 0.f;
+#if !NC_RMS_NORM
 #pragma unroll
   for (int b = 0; b < kMaxBatch; ++b) {
     part[b] = 0.f;
@@ -599,8 +578,10 @@ __device__ const bf16* local_norm_rows(const Params& p, int layer, unsigned char
   }
   block_sums<kMaxBatch>(part, red);
 #pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) mean[b] = part[b] / kHidden;
+#endif
+#pragma unroll
   for (int b = 0; b < kMaxBatch; ++b) {
-    mean[b] = part[b] / kHidden;
     part[b] = 0.f;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
@@ -617,11 +598,15 @@ __device__ const bf16* local_norm_rows(const Params& p, int layer, unsigned char
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int i = threadIdx.x + j * kThreads;
-      if (i < kHidden)
-        h[b * kLocalHStride + i] = __float2bfloat16_rn(w[j] * ((bf16_round(stage[b * kHidden + i]) - mean[b]) * inv));
+      if (i >= kHidden) continue;
+      const float v = bf16_round(stage[b * kHidden + i]);
+#if NC_RMS_NORM
+      h[b * kLocalHStride + i] = __float2bfloat16_rn(w[j] * bf16_round(v * inv));
+#else
+      h[b * kLocalHStride + i] = __float2bfloat16_rn(w[j] * ((v - mean[b]) * inv));
+#endif
     }
   }
-#endif
   __syncthreads();
   return h;
 }

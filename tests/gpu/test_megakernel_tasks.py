@@ -102,7 +102,6 @@ def test_norm_embeds_rounds_and_normalises(geometry: str) -> None:
 @pytest.mark.parametrize("layer,tiles_per_task", [(1, 1), (4, 1), (1, 2), (4, 3)])  # sliding+RoPE; full, NoPE
 def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int) -> None:
     from northcode.megakernel.kernel import TaskType, make_task
-    from northcode.model.model import apply_rope, project_qkv, rope_cos_sin
 
     config, weights, model, cache, kernel = env(geometry)
     h = randn_bf16(8, config.hidden_size)
@@ -111,6 +110,14 @@ def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int) -
     kernel.q.zero_()
     run(kernel, [[make_task(TaskType.QKV, layer, (t, min(tiles_per_task, tiles - t), int(config.uses_rope(layer))))
                   for t in range(0, tiles, tiles_per_task)]])
+    check_qkv(geometry, layer, h)
+
+
+def check_qkv(geometry: str, layer: int, h: torch.Tensor) -> None:
+    """The kernel's q and this step's K/V slots against the reference projection (and RoPE) of h [8, H]."""
+    from northcode.model.model import apply_rope, project_qkv, rope_cos_sin
+
+    config, weights, model, cache, kernel = env(geometry)
     q, k, v = project_qkv(h, model.layers[layer], config)  # [8, heads, D]
     if config.uses_rope(layer):
         cos, sin = rope_cos_sin(torch.tensor(GEOMETRIES[geometry][2], device="cuda"), model.inv_freq, torch.bfloat16)
@@ -127,7 +134,7 @@ def test_local_norm_qkv_and_router(geometry: str) -> None:
     the residual x themselves, with no NORM task before them: their q, K/V and router logits match the reference
     on norm(bf16(x)), h is not read and x is not written (NORM, which still runs, rounds it)."""
     from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
-    from northcode.model.model import apply_rope, norm, project_qkv, rope_cos_sin
+    from northcode.model.model import norm
 
     if not VARIANTS[variant_from_env()].local_norm:
         pytest.skip("the default's build has no local norm: NC_VARIANT=local-norm runs this")
@@ -145,15 +152,7 @@ def test_local_norm_qkv_and_router(geometry: str) -> None:
                  [make_task(TaskType.ROUTER, layer, (t, 1, 1)) for t in range(router_tiles)]])
     assert torch.equal(kernel.x, x), "the local norm wrote the residual"
     h = norm(x.to(torch.bfloat16), model.layers[layer].input_norm, config)
-    q, k, v = project_qkv(h, model.layers[layer], config)
-    if config.uses_rope(layer):
-        cos, sin = rope_cos_sin(torch.tensor(GEOMETRIES[geometry][2], device="cuda"), model.inv_freq, torch.bfloat16)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    assert rel_err(kernel.q.view_as(q), q) < REL_TOL
-    for b, pos in enumerate(GEOMETRIES[geometry][2]):
-        page = int(cache.block_tables[layer, b, pos // 64])
-        assert rel_err(cache.k_pool[page, pos % 64], k[b]) < REL_TOL
-        assert rel_err(cache.v_pool[page, pos % 64], v[b]) < REL_TOL
+    check_qkv(geometry, layer, h)
     assert rel_err(kernel.router_logits, F.linear(h, model.layers[layer].router).float()) < REL_TOL
 
 
