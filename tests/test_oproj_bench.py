@@ -24,23 +24,31 @@ def _config():
                                layer_types=None, mlp_layer_types=None)
 
 
-@pytest.mark.parametrize("phased", [False, True])
-def test_waves_cycle_the_layers_and_chain_when_phased(phased: bool) -> None:
+@pytest.mark.parametrize("mode", oproj_bench.MODES)
+def test_waves_cycle_the_layers_and_chain_when_phased(mode: str) -> None:
     config, rounds = _config(), 10
-    waves = oproj_bench.oproj_waves(config, rounds, phased)
+    waves, counters = oproj_bench.oproj_waves(config, rounds, mode)
     tiles = config.hidden_size // 16
-    assert len(waves) == rounds and all(len(w) == tiles for w in waves)
-    for r, wave in enumerate(waves):
+    oproj = [w for w in waves if isinstance(w, list)]
+    moe = [w[1] for w in waves if isinstance(w, tuple)]
+    assert len(oproj) == rounds and all(len(w) == tiles for w in oproj)
+    for r, wave in enumerate(oproj):
         assert {t[0] for t in wave} == {int(TaskType.OPROJ)}
         assert {t[1] for t in wave} == {1 + r % (oproj_bench.LAYERS - 1)}  # never the dense layer 0
         assert sorted(t[2] for t in wave) == list(range(tiles)) and {t[3] for t in wave} == {1}
         wait, target, signal = {t[8] for t in wave}, {t[10] for t in wave}, {t[12] for t in wave}
-        if phased:
+        if mode == "phased":
             assert signal == {r} and (wait, target) == (({r - 1}, {tiles}) if r else ({-1}, {0}))
         else:
             assert wait == {-1} and signal == {-1}
-    schedule = flatten(place_waves(waves, 132), rounds, 0)  # one tile per SM a round
-    assert schedule.tasks.shape[0] == rounds * tiles
+    if mode == "after-moe":  # an up and a down share before each round, on the round's own slot counters
+        assert [t[0] for t in moe] == [int(TaskType.MOE_UP), int(TaskType.MOE_DOWN)] * rounds
+        assert [t[3] for t in moe] == [r * oproj_bench.MOE_EXPERTS for r in range(rounds) for _ in range(2)]
+        assert counters == rounds * oproj_bench.MOE_EXPERTS
+    else:
+        assert not moe and counters == rounds
+    schedule = flatten(place_waves(waves, 132), counters, 0)  # one tile per SM a round
+    assert schedule.tasks.shape[0] == rounds * tiles + len(moe) * 132
 
 
 @pytest.mark.parametrize("argv", [("--rounds", "0"), ("--repeats", "0")])

@@ -2,14 +2,16 @@
 
 Day 3 session 2 found builds of the kernel whose o_proj tasks take ~7 us a tile in the decode step instead of
 ~4.4, with the same instructions (docs/performance.md, runs 37-46): the default's build is fast, lean-fused's
-and a deeper MoE ring's are slow. This times only OPROJ tasks (B = 1, one 16 x 4096 tile of 128 KB each, 128 a
-round, one per SM) in the build of --variant, so that two builds can be compared outside the step:
-  stream  rounds without waits: every block runs its tiles back to back (the tile's own rate);
-  phased  round r waits for round r - 1's 128 tiles (the step's layer boundary: one dependency wait a tile).
+and a deeper MoE ring's are slow. This runs OPROJ tasks (B = 1, one 16 x 4096 tile of 128 KB each, 128 a round,
+one per SM) in the build of --variant, so that builds can be compared outside the step:
+  stream     rounds without waits: every block runs its tiles back to back (the tile's own rate);
+  phased     round r waits for round r - 1's 128 tiles (the step's layer boundary: one dependency wait a tile);
+  after-moe  each block runs a MoE up and down share (8 experts, as at B = 1) before each o_proj tile, as in
+             the step: the tile then starts with the MoE code, not its own, in the SM's instruction cache.
 Each with and without the L2 prefetch of the task's weights before its wait (Params.flags). Rounds cycle
 through the layers of an 8-layer North Mini Code (random weights; 118 MB of o_proj, more than the L2), so the
-tiles come from HBM as in the step; rates are against the read bandwidth of a plain 4 GiB sum measured in the
-same process. If every build is fast here, the step's slow o_proj comes from what runs beside it.
+tiles come from HBM as in the step. Printed: the launch's time (median) and, from one launch with per-task
+timestamps, the o_proj tasks' median busy time (dependencies met to done: the step profile's figure).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import argparse
 import dataclasses
 
 LAYERS = 8  # o_proj of layers 1..7 cycled: 7 x 16.8 MB, past the 50 MB L2
+MODES = ("stream", "phased", "after-moe")
+MOE_EXPERTS = 8  # batch 1's distinct experts a layer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,18 +30,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", default="default", help="megakernel variant: its build and flags")
 
 
-def oproj_waves(config, rounds: int, phased: bool) -> list:
-    """`rounds` waves of the layer's o_proj tiles (one task each); phased: round r waits for round r - 1 (counter
-    r - 1, all its tiles) and signals counter r."""
+def oproj_waves(config, rounds: int, mode: str) -> tuple[list, int]:
+    """The waves of a mode and the counters they use. phased: round r's tiles wait for round r - 1's (counter
+    r - 1, all its tiles) and signal counter r. after-moe: before round r's tiles every block runs a MOE_UP and
+    a MOE_DOWN share of the slots set by the caller, with round r's own MOE_EXPERTS "slot done" counters."""
     from northcode.megakernel.kernel import TaskType, make_task
 
+    assert mode in MODES, mode
     tiles = config.hidden_size // 16
     waves = []
     for r in range(rounds):
         layer = 1 + r % (config.num_hidden_layers - 1)
-        waits = ((r - 1, tiles),) if phased and r > 0 else ()
-        waves.append([make_task(TaskType.OPROJ, layer, (t, 1), waits, r if phased else -1) for t in range(tiles)])
-    return waves
+        if mode == "after-moe":
+            slots = r * MOE_EXPERTS
+            waves += [("each", make_task(TaskType.MOE_UP, layer, (0, slots, -1))),
+                      ("each", make_task(TaskType.MOE_DOWN, layer, (0, slots)))]
+        waits = ((r - 1, tiles),) if mode == "phased" and r > 0 else ()
+        signal = r if mode == "phased" else -1
+        waves.append([make_task(TaskType.OPROJ, layer, (t, 1), waits, signal) for t in range(tiles)])
+    return waves, rounds * (MOE_EXPERTS if mode == "after-moe" else 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     from northcode.bench.decode_bench import measure_bandwidth, median_ms
     from northcode.bench.decode_setup import paged_cache
-    from northcode.megakernel.kernel import VARIANTS, Megakernel, RowSpec, Schedule, flatten, place_waves
+    from northcode.megakernel.kernel import VARIANTS, Megakernel, RowSpec, Schedule, TaskType, flatten, place_waves
     from northcode.megakernel.variants import FLAG_PREFETCH_CURRENT
     from northcode.model.synthetic import preset_config, random_weights
 
@@ -61,25 +72,36 @@ def run(args: argparse.Namespace) -> int:
                         variant=args.variant)
     kernel.set_rows([RowSpec(position=64, seq=0)])
     kernel.attn_out.normal_()
+    kernel.h.normal_()
+    experts = torch.randperm(config.num_experts, generator=torch.Generator().manual_seed(0))[:MOE_EXPERTS].sort().values
+    kernel.moe_slots.zero_()
+    kernel.moe_slots[0] = MOE_EXPERTS
+    kernel.moe_slots[1:1 + MOE_EXPERTS] = experts.to(kernel.device, torch.int32)
+    kernel.slot_weight.zero_()
+    kernel.slot_weight[:MOE_EXPERTS, 0] = 1.0 / MOE_EXPERTS  # row 0 only: the batch is 1
     read_tbps = measure_bandwidth()["read_tbps"]
     print(f"read bandwidth (4 GiB sum): {read_tbps:.2f} TB/s; {kernel.num_blocks} SMs; variant {args.variant}")
-    tile_bytes = 16 * config.q_size * 2
-    nbytes = args.rounds * (config.hidden_size // 16) * tile_bytes
-    print(f"{'mode':>8}{'prefetch':>10}{'us':>9}{'us/round':>10}{'TB/s':>7}{'of read':>9}")
+    print(f"{'mode':>10}{'prefetch':>10}{'launch us':>11}{'o_proj busy us (median)':>25}")
     flags = kernel.params.flags
     try:
-        for mode in ("stream", "phased"):
-            built = flatten(place_waves(oproj_waves(config, args.rounds, mode == "phased"), kernel.num_blocks),
-                            args.rounds, 0)
+        for mode in MODES:
+            waves, counters = oproj_waves(config, args.rounds, mode)
+            built = flatten(place_waves(waves, kernel.num_blocks), counters, 0)
             schedule = Schedule(built.tasks.to(kernel.device), built.task_start.to(kernel.device), built.num_counters,
                                 built.num_lm_tasks)  # on the device once: launch would copy a host list each time
+            is_oproj = built.tasks[:, 0] == int(TaskType.OPROJ)
             for prefetch in (True, False):
                 kernel.params.flags = (flags | FLAG_PREFETCH_CURRENT) if prefetch else (flags & ~FLAG_PREFETCH_CURRENT)
                 ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
-                tbps = nbytes / (ms * 1e-3) / 1e12
-                print(f"{mode:>8}{'on' if prefetch else 'off':>10}{ms * 1e3:9.1f}{ms * 1e3 / args.rounds:10.2f}"
-                      f"{tbps:7.2f}{tbps / read_tbps:8.0%}")
-                kernel.check()
+                times = torch.zeros(built.tasks.shape[0], 3, dtype=torch.int64, device=kernel.device)
+                kernel.params.profile = times.data_ptr()
+                try:
+                    kernel.launch(schedule, 1)
+                    kernel.check()
+                finally:
+                    kernel.params.profile = 0
+                busy = (times[:, 2] - times[:, 1]).cpu()[is_oproj].double().median().item() / 1e3
+                print(f"{mode:>10}{'on' if prefetch else 'off':>10}{ms * 1e3:11.1f}{busy:25.2f}")
     finally:
         kernel.params.flags = flags
     return 0
