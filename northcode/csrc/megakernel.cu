@@ -958,6 +958,11 @@ __device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
 }
 
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
+#if NC_OPROJ_PAD  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): N zero-length sleeps ahead of the tiles move
+  // the o_proj code (and what follows it) by N instructions; does the tiles' speed follow the code's placement?
+#pragma unroll
+  for (int k = 0; k < NC_OPROJ_PAD; ++k) __nanosleep(0);
+#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) oproj_tile(p, t.layer, tile, *reinterpret_cast<GemmSmem*>(smem));
 }
 
