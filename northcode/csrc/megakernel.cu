@@ -520,7 +520,8 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
 // 312 bytes at 255), the norm weight into registers meanwhile; the rows' sums meet in one block reduction. The
 // same arithmetic as task_norm: h is NORM's bit for bit. Layout: x's rows (fp32 [8][H]) from 0, where the
 // products' GemmSmem goes once they are read; h (bf16 [8][kLocalHStride]) after them; the reduction's floats last.
-constexpr int kLocalHStride = kHidden + 8;  // bf16: +16 B a row keeps mma_tiles' activation loads conflict-free
+constexpr int kLocalHStride = kHidden + 32;  // bf16: +64 B a row: the two rows of a quarter warp's 16-B loads in mma_tiles
+                                             // take different banks
 constexpr size_t kLocalStageBytes = size_t{kMaxBatch} * kHidden * 4;
 constexpr size_t kLocalHOffset = ((kLocalStageBytes > sizeof(GemmSmem) ? kLocalStageBytes : sizeof(GemmSmem)) + 15) / 16 * 16;
 constexpr size_t kLocalRedOffset = kLocalHOffset + ((size_t)kMaxBatch * kLocalHStride * 2 + 15) / 16 * 16;
