@@ -27,3 +27,23 @@ def test_the_report_shows_phases_occupancy_and_the_gating_chain(tmp_path) -> Non
     assert chain[-1].startswith("NORM") or "first task" in chain[-1] or "stops here" in chain[-1]
     phases = {line.split()[0]: line.split() for line in text.splitlines()[3:12] if line and line.split()[0].isupper()}
     assert float(phases["OPROJ"][-1]) == 9.0  # busy max, us
+
+
+def test_two_profiles_side_by_side_show_which_task_type_changed(tmp_path) -> None:
+    """compare(): the same schedule with o_proj tasks of 2 us against 1 us: o_proj's busy median and total
+    differ by what the simulation put in, every other type not at all."""
+    from northcode.bench.profile_report import compare
+
+    config = preset_config("tiny")
+    schedule = build_schedule(config, 1, 6, attention_splits(config, 1, 6, 300))
+    paths = []
+    for name, oproj_ns in (("slow", 2000), ("fast", 1000)):
+        _, times = simulate(schedule, lambda t, ns=oproj_ns: ns if t[0] == TaskType.OPROJ else 1000)
+        paths.append(tmp_path / f"profile-{name}.pt")
+        torch.save(dict(tasks=schedule.tasks, task_start=schedule.task_start, times=torch.tensor(times)), paths[-1])
+    text = compare(*paths)
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[4:]}
+    n_oproj = int((schedule.tasks[:, 0] == TaskType.OPROJ).sum())
+    assert rows["OPROJ"][3:5] == ["2.00", "1.00"] and float(rows["OPROJ"][-1]) == n_oproj * 1.0
+    assert all(float(r[-1]) == 0 for k, r in rows.items() if k != "OPROJ")
+    assert "step span us" in text

@@ -119,6 +119,34 @@ def critical_chain(record: dict, picked: list[int], origin: float) -> list[str]:
     return lines
 
 
+def busy_by_type(record: dict) -> dict[int, tuple[int, float, float]]:
+    """The whole step per task type: (tasks, busy median us, busy total us over all blocks); busy is dependencies
+    met to done, as the bench's profile line has it."""
+    tasks, times = record["tasks"], record["times"]
+    out = {}
+    for kind in sorted({t[TYPE] for t in tasks}):
+        busy = sorted((times[i][2] - times[i][1]) / 1e3 for i, t in enumerate(tasks) if t[TYPE] == kind)
+        out[kind] = (len(busy), busy[len(busy) // 2], sum(busy))
+    return out
+
+
+def compare(path: Path, other: Path) -> str:
+    """Two profiled steps side by side (two builds or variants, same batch and context): the step's span and each
+    task type's busy median and total, with the change; what found run 38's slow o_proj (docs/performance.md)."""
+    a, b = load(path), load(other)
+    span = [(max(t[2] for t in r["times"]) - min(t[0] for t in r["times"])) / 1e3 for r in (a, b)]
+    out = [f"{path.name} (A) against {other.name} (B)", f"step span us: A {span[0]:.1f}  B {span[1]:.1f}  "
+           f"({(span[0] - span[1]) / span[1]:+.1%})", "",
+           f"{'type':<11}{'tasks A':>8}{'tasks B':>8}{'median A':>10}{'median B':>10}{'total A':>11}{'total B':>11}"
+           f"{'total A-B':>11}"]
+    busy_a, busy_b = busy_by_type(a), busy_by_type(b)
+    for kind in sorted(set(busy_a) | set(busy_b)):
+        na, ma, ta = busy_a.get(kind, (0, 0.0, 0.0))
+        nb, mb, tb = busy_b.get(kind, (0, 0.0, 0.0))
+        out.append(f"{TaskType(kind).name:<11}{na:>8}{nb:>8}{ma:>10.2f}{mb:>10.2f}{ta:>11.0f}{tb:>11.0f}{ta - tb:>+11.0f}")
+    return "\n".join(out)
+
+
 def report(path: Path, layer: int, bucket_us: float) -> str:
     record = load(path)
     picked, origin = layer_tasks(record, layer)
@@ -133,8 +161,10 @@ def main() -> int:
     parser.add_argument("profile", type=Path, help="a profile-*.pt written by bench decode --profile")
     parser.add_argument("--layer", type=int, default=25, help="the layer to read (default 25: sliding, MoE)")
     parser.add_argument("--bucket-us", type=float, default=4.0, help="time bucket of the occupancy table")
+    parser.add_argument("--against", type=Path, default=None, metavar="OTHER",
+                        help="another profile-*.pt: print the two steps' busy times per task type side by side")
     args = parser.parse_args()
-    print(report(args.profile, args.layer, args.bucket_us))
+    print(compare(args.profile, args.against) if args.against else report(args.profile, args.layer, args.bucket_us))
     return 0
 
 
