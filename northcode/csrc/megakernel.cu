@@ -394,6 +394,11 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
   }
   const bool has_row = g < batch;
   const bf16* a_row = act + (size_t)g * act_stride + 8 * t;
+#if NC_PIN_ACT  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): the row's address held in registers, so the
+  // compiler cannot re-derive it from the kernel parameter (an LDC of the constant bank) in every pass of the loop
+  // below; does a constant-cache miss there cost the slow builds' one-tile products a round trip a pass?
+  asm volatile("" : "+l"(a_row));
+#endif
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
