@@ -568,37 +568,32 @@ __device__ const bf16* local_norm_rows(const Params& p, int layer, unsigned char
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   __syncthreads();
-  // LayerNorm: the rows' means first; RMSNorm: mean 0 (v - 0 is v exactly: task_norm's sums, bit for bit)
+  // Each row's sum of (v - mean) (squared where asked) over the block; LayerNorm takes the means first, RMSNorm
+  // keeps mean 0 (v - 0 is v exactly: task_norm's sums, bit for bit)
   float part[kMaxBatch], mean[kMaxBatch];
 #pragma unroll
   for (int b = 0; b < kMaxBatch; ++b) mean[b] = 0.f;
-#if !NC_RMS_NORM
+  auto row_sums = [&](bool squares) {
 #pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {
-    part[b] = 0.f;
+    for (int b = 0; b < kMaxBatch; ++b) {
+      part[b] = 0.f;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = threadIdx.x + j * kThreads;
-      if (b < batch && i < kHidden) part[b] += bf16_round(stage[b * kHidden + i]);
+      for (int j = 0; j < kPer; ++j) {
+        const int i = threadIdx.x + j * kThreads;
+        if (b < batch && i < kHidden) {
+          const float d = bf16_round(stage[b * kHidden + i]) - mean[b];
+          part[b] += squares ? d * d : d;
+        }
+      }
     }
-  }
-  block_sums<kMaxBatch>(part, red);
+    block_sums<kMaxBatch>(part, red);
+  };
+#if !NC_RMS_NORM
+  row_sums(false);
 #pragma unroll
   for (int b = 0; b < kMaxBatch; ++b) mean[b] = part[b] / kHidden;
 #endif
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {
-    part[b] = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = threadIdx.x + j * kThreads;
-      if (b < batch && i < kHidden) {
-        const float d = bf16_round(stage[b * kHidden + i]) - mean[b];
-        part[b] += d * d;
-      }
-    }
-  }
-  block_sums<kMaxBatch>(part, red);
+  row_sums(true);
   for (int b = 0; b < batch; ++b) {
     const float inv = 1.0f / sqrtf(part[b] / kHidden + p.norm_eps);
 #pragma unroll
