@@ -1584,8 +1584,21 @@ __device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* s
 }
 #endif
 
+#if NC_PARAMS_SMEM  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): every block copies the parameters into shared
+// memory once and the tasks read them there (LDS) instead of from the constant bank (LDC), whose cache may lose
+// lines to the ~240 KB of code (the constant-cache hypothesis in docs/performance.md: a miss is an L2 round trip)
+__global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params params) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(16) Params shared_params;
+  static_assert(sizeof(Params) % 4 == 0, "the parameters are copied in 4-byte words");
+  for (int i = threadIdx.x; i < (int)(sizeof(Params) / 4); i += kThreads)
+    reinterpret_cast<int*>(&shared_params)[i] = reinterpret_cast<const int*>(&params)[i];
+  __syncthreads();
+  const Params& p = shared_params;
+#else
 __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
+#endif
   __shared__ int aborted;  // one thread reads the status, so that the whole block takes the same branch
 #if NC_LEAN_FUSED
   __shared__ __align__(16) Task task[2];  // this task's record and the next one's

@@ -105,7 +105,8 @@ def find_nvcc() -> str:
     raise RuntimeError("megakernel: nvcc not found (put it on PATH or set CUDA_HOME)")
 
 
-TUNING_DEFINES = ("NC_MOE_STAGES", "NC_OPROJ_PAD", "NC_PIN_ACT")  # compile-time knobs for experiments (the .cu's defaults otherwise)
+# compile-time knobs for experiments (the .cu's defaults otherwise; docs/performance.md says what each tests)
+TUNING_DEFINES = ("NC_MOE_STAGES", "NC_OPROJ_PAD", "NC_PIN_ACT", "NC_PARAMS_SMEM")
 
 
 def tuning_defines() -> dict[str, int]:
