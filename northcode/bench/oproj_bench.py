@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     kernel.set_rows([RowSpec(position=64, seq=0)])
     kernel.attn_out.normal_()
     kernel.h.normal_()
-    experts = torch.randperm(config.num_experts, generator=torch.Generator().manual_seed(0))[:MOE_EXPERTS].sort().values
+    generator = torch.Generator().manual_seed(0)
+    experts = torch.randperm(config.num_experts, generator=generator)[:MOE_EXPERTS].sort().values
     kernel.moe_slots.zero_()
     kernel.moe_slots[0] = MOE_EXPERTS
     kernel.moe_slots[1:1 + MOE_EXPERTS] = experts.to(kernel.device, torch.int32)
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                                 built.num_lm_tasks)  # on the device once: launch would copy a host list each time
             is_oproj = built.tasks[:, 0] == int(TaskType.OPROJ)
             for prefetch in (True, False):
-                kernel.params.flags = (flags | FLAG_PREFETCH_CURRENT) if prefetch else (flags & ~FLAG_PREFETCH_CURRENT)
+                kernel.params.flags = flags | FLAG_PREFETCH_CURRENT if prefetch else flags & ~FLAG_PREFETCH_CURRENT
                 ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
                 times = torch.zeros(built.tasks.shape[0], 3, dtype=torch.int64, device=kernel.device)
                 kernel.params.profile = times.data_ptr()

@@ -143,7 +143,8 @@ def compare(path: Path, other: Path) -> str:
     for kind in sorted(set(busy_a) | set(busy_b)):
         na, ma, ta = busy_a.get(kind, (0, 0.0, 0.0))
         nb, mb, tb = busy_b.get(kind, (0, 0.0, 0.0))
-        out.append(f"{TaskType(kind).name:<11}{na:>8}{nb:>8}{ma:>10.2f}{mb:>10.2f}{ta:>11.0f}{tb:>11.0f}{ta - tb:>+11.0f}")
+        out.append(f"{TaskType(kind).name:<11}{na:>8}{nb:>8}{ma:>10.2f}{mb:>10.2f}{ta:>11.0f}{tb:>11.0f}"
+                   f"{ta - tb:>+11.0f}")
     return "\n".join(out)
 
 

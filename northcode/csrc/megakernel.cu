@@ -525,10 +525,11 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
 // 312 bytes at 255), the norm weight into registers meanwhile; the rows' sums meet in one block reduction. The
 // same arithmetic as task_norm: h is NORM's bit for bit. Layout: x's rows (fp32 [8][H]) from 0, where the
 // products' GemmSmem goes once they are read; h (bf16 [8][kLocalHStride]) after them; the reduction's floats last.
-constexpr int kLocalHStride = kHidden + 32;  // bf16: +64 B a row: the two rows of a quarter warp's 16-B loads in mma_tiles
-                                             // take different banks
+// bf16 a row of h: +64 B, so that the two rows of a quarter warp's 16-B loads in mma_tiles take different banks
+constexpr int kLocalHStride = kHidden + 32;
 constexpr size_t kLocalStageBytes = size_t{kMaxBatch} * kHidden * 4;
-constexpr size_t kLocalHOffset = ((kLocalStageBytes > sizeof(GemmSmem) ? kLocalStageBytes : sizeof(GemmSmem)) + 15) / 16 * 16;
+constexpr size_t kLocalHOffset =
+    ((kLocalStageBytes > sizeof(GemmSmem) ? kLocalStageBytes : sizeof(GemmSmem)) + 15) / 16 * 16;
 constexpr size_t kLocalRedOffset = kLocalHOffset + ((size_t)kMaxBatch * kLocalHStride * 2 + 15) / 16 * 16;
 constexpr size_t kLocalNormSmemBytes = kLocalRedOffset + (size_t)kWarps * kMaxBatch * 4;
 static_assert(kHidden % 4 == 0, "local norm: x rows copied in 16-byte pieces");
@@ -970,7 +971,8 @@ __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) 
 // ====  9. Task: ROUTER  ========================================================================
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
 template <bool kSharedAct>
-__device__ void router_products(const Params& p, const Task& t, unsigned char* smem, const bf16* act, int act_stride) {
+__device__ void router_products(const Params& p, const Task& t, unsigned char* smem, const bf16* act,
+                                int act_stride) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};

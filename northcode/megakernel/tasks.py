@@ -241,8 +241,9 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
     # local: the router normalises the residual itself (arg2 = 1); the MoE tasks, which read the norm's h and add
     # into the residual, then wait for the norm too
-    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)), 1) + ((1,) if local else ()),
-                    local or ((norm_done, m.batch),), router_done)
+    router_args = ((0, m.arange(router_tiles)), 1) + ((1,) if local else ())
+    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args, local or ((norm_done, m.batch),),
+                    router_done)
     moe_waits = ((topk_done, 1),) + (((norm_done, m.batch),) if local else ())
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
     # arg0: the last blocks that take no up tile (combine_apart); arg1: the first "slot done" counter; arg2: the
@@ -317,8 +318,8 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     block's up and down shares in one task, after COMBINE (the order is then fixed; the kernel's NC_LEAN_FUSED build
     only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
     (one_round_q_tiles). local_norm: QKV and the router normalise the residual themselves after layer 0 (the
-    kernel's NC_LOCAL_NORM build only). Waves are _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and
-    place_waves per task took 0.1-0.2 s, a stall for every new batch size).
+    kernel's NC_LOCAL_NORM build only). Waves are _WaveSpecs placed in one go by place_waves' rule: about 10 ms for
+    North Mini Code (make_task and place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
     q_tiles = one_round_q_tiles(config, num_blocks, qkv_tiles) if qkv_one_round else qkv_tiles

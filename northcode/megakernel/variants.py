@@ -34,7 +34,7 @@ class Variant:
     qkv_tiles: int = 2  # QKV tiles per task, multiplied together (run 12: 3% faster at B=1 than 1)
     combine_apart: bool = True  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
-    lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; each block's MoE up and down shares in one task
+    lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; a block's MoE up and down shares in one task
     local_norm: bool = False  # the NC_LOCAL_NORM build: QKV and the router normalise the residual themselves
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
 
@@ -46,7 +46,8 @@ class Variant:
 
     def build_defines(self) -> dict[str, int]:
         """The -D defines of the kernel build this variant runs on (empty: the default's build)."""
-        return {**({"NC_LEAN_FUSED": 1} if self.lean_fused else {}), **({"NC_LOCAL_NORM": 1} if self.local_norm else {})}
+        return {name: 1 for name, wanted in (("NC_LEAN_FUSED", self.lean_fused), ("NC_LOCAL_NORM", self.local_norm))
+                if wanted}
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
