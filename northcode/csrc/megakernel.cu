@@ -111,6 +111,7 @@ enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_F
 // a ROUTER task whose arg2 is set, normalise the residual rows themselves (local_norm_rows) instead of waiting
 // for the layer's NORM task and reading its h: the layer's first products start one task hop (~4 us at B = 1)
 // earlier. NORM still runs (the rounded residual, h for the MoE tasks); tasks.build_schedule(local_norm=True).
+// Day 2's local norm without a NORM task (runs 18-19) was 9-18% slower and taken out; this form keeps NORM.
 #ifndef NC_LOCAL_NORM
 #define NC_LOCAL_NORM 0
 #endif

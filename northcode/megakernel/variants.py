@@ -58,7 +58,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
-    "local-norm": Variant(local_norm=True),  # its own build; day 3 session 2, not yet run on a GPU
+    "local-norm": Variant(local_norm=True),  # its own build, NORM kept (runs 18-19's form without it: +9%); not yet run
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),
