@@ -4,13 +4,12 @@ phased rounds chained by their counters) and bad arguments stop it before it tou
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import pytest
 
 from northcode.bench import oproj_bench
+from northcode.bench.kernel_rig import small_config
 from northcode.megakernel.tasks import TaskType, flatten, place_waves
-from northcode.model.synthetic import preset_config
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -20,8 +19,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def _config():
-    return dataclasses.replace(preset_config("north-mini-code"), num_hidden_layers=oproj_bench.LAYERS,
-                               layer_types=None, mlp_layer_types=None)
+    return small_config(oproj_bench.LAYERS)
 
 
 @pytest.mark.parametrize("mode", oproj_bench.MODES)

@@ -12,7 +12,6 @@ schedule is. 8 experts is batch 1's working set (a 50 MB up phase: launch overhe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,19 +24,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from northcode.bench.decode_bench import measure_bandwidth, median_ms
-    from northcode.bench.decode_setup import paged_cache
-    from northcode.megakernel.kernel import Megakernel, RowSpec, TaskType, flatten, make_task, place_waves
-    from northcode.model.synthetic import preset_config, random_weights
+    from northcode.bench.kernel_rig import device_schedule, route_row_zero, small_config, small_kernel
+    from northcode.megakernel.kernel import TaskType, make_task
 
-    config = dataclasses.replace(preset_config("north-mini-code"), num_hidden_layers=2, layer_types=None,
-                                 mlp_layer_types=None)  # layer 0 dense, layer 1 sparse: the one streamed
+    config = small_config(2)  # layer 0 dense, layer 1 sparse: the one streamed
     if any(not 1 <= n <= config.num_experts for n in args.experts):
         raise SystemExit(f"--experts: each count must be 1..{config.num_experts}")
-    weights = random_weights(config, device="cuda", dtype=torch.bfloat16, seed=0)
-    cache = paged_cache(config, [64], 4, "cuda", seed=0)
-    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
-                        variant=args.variant)
-    kernel.set_rows([RowSpec(position=64, seq=0)])
+    kernel = small_kernel(config, args.variant)
     kernel.h.normal_()
     bandwidth = measure_bandwidth()
     read_tbps = bandwidth["read_tbps"]
@@ -48,15 +41,11 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(0)
     for n in args.experts:
         experts = torch.randperm(config.num_experts, generator=generator)[:n].sort().values
-        kernel.moe_slots.zero_()
-        kernel.moe_slots[0] = n
-        kernel.moe_slots[1:1 + n] = experts.to(kernel.moe_slots.device, torch.int32)
-        kernel.slot_weight.zero_()
-        kernel.slot_weight[:n, 0] = 1.0 / n  # row 0 only: the batch is 1
+        route_row_zero(kernel, experts)
         up = ("each", make_task(TaskType.MOE_UP, 1, (0, 0, -1)))  # slot counters 0..n-1, static shares
-        down = ("each", make_task(TaskType.MOE_DOWN, 1, (0, 0, -1, 0, -1)))  # contiguous down shares
+        down = ("each", make_task(TaskType.MOE_DOWN, 1, (0, 0)))  # contiguous down shares
         for phase, waves, nbytes in (("up", [up], n * up_bytes), ("up+down", [up, down], n * (up_bytes + down_bytes))):
-            schedule = flatten(place_waves(waves, kernel.num_blocks), n, 0)
+            schedule = device_schedule(kernel, waves, n)
             ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
             tbps = nbytes / (ms * 1e-3) / 1e12
             print(f"{n:>8}{phase:>9}{nbytes / 1e6:8.1f}{ms * 1e3:9.1f}{tbps:7.2f}{tbps / read_tbps:8.0%}"

@@ -17,7 +17,6 @@ timestamps, the o_proj tasks' median busy time (dependencies met to done: the st
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 LAYERS = 8  # o_proj of layers 1..7 cycled: 7 x 16.8 MB, past the 50 MB L2
 MODES = ("stream", "phased", "after-moe")
@@ -57,29 +56,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from northcode.bench.decode_bench import measure_bandwidth, median_ms
-    from northcode.bench.decode_setup import paged_cache
-    from northcode.megakernel.kernel import VARIANTS, Megakernel, RowSpec, Schedule, TaskType, flatten, place_waves
+    from northcode.bench.kernel_rig import device_schedule, route_row_zero, small_config, small_kernel
+    from northcode.megakernel.kernel import TaskType
     from northcode.megakernel.variants import FLAG_PREFETCH_CURRENT
-    from northcode.model.synthetic import preset_config, random_weights
 
-    if args.variant not in VARIANTS:
-        raise SystemExit(f"--variant {args.variant}: unknown; choose from {', '.join(VARIANTS)}")
-    config = dataclasses.replace(preset_config("north-mini-code"), num_hidden_layers=LAYERS, layer_types=None,
-                                 mlp_layer_types=None)
-    weights = random_weights(config, device="cuda", dtype=torch.bfloat16, seed=0)
-    cache = paged_cache(config, [64], 4, "cuda", seed=0)
-    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
-                        variant=args.variant)
-    kernel.set_rows([RowSpec(position=64, seq=0)])
+    config = small_config(LAYERS)
+    kernel = small_kernel(config, args.variant)
     kernel.attn_out.normal_()
     kernel.h.normal_()
     generator = torch.Generator().manual_seed(0)
-    experts = torch.randperm(config.num_experts, generator=generator)[:MOE_EXPERTS].sort().values
-    kernel.moe_slots.zero_()
-    kernel.moe_slots[0] = MOE_EXPERTS
-    kernel.moe_slots[1:1 + MOE_EXPERTS] = experts.to(kernel.device, torch.int32)
-    kernel.slot_weight.zero_()
-    kernel.slot_weight[:MOE_EXPERTS, 0] = 1.0 / MOE_EXPERTS  # row 0 only: the batch is 1
+    route_row_zero(kernel, torch.randperm(config.num_experts, generator=generator)[:MOE_EXPERTS].sort().values)
     read_tbps = measure_bandwidth()["read_tbps"]
     print(f"read bandwidth (4 GiB sum): {read_tbps:.2f} TB/s; {kernel.num_blocks} SMs; variant {args.variant}")
     print(f"{'mode':>10}{'prefetch':>10}{'launch us':>11}{'o_proj busy us (median)':>25}")
@@ -87,21 +73,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         for mode in MODES:
             waves, counters = oproj_waves(config, args.rounds, mode)
-            built = flatten(place_waves(waves, kernel.num_blocks), counters, 0)
-            schedule = Schedule(built.tasks.to(kernel.device), built.task_start.to(kernel.device), built.num_counters,
-                                built.num_lm_tasks)  # on the device once: launch would copy a host list each time
-            is_oproj = built.tasks[:, 0] == int(TaskType.OPROJ)
+            schedule = device_schedule(kernel, waves, counters)
+            is_oproj = schedule.tasks[:, 0] == int(TaskType.OPROJ)
             for prefetch in (True, False):
                 kernel.params.flags = flags | FLAG_PREFETCH_CURRENT if prefetch else flags & ~FLAG_PREFETCH_CURRENT
                 ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
-                times = torch.zeros(built.tasks.shape[0], 3, dtype=torch.int64, device=kernel.device)
+                times = torch.zeros(schedule.tasks.shape[0], 3, dtype=torch.int64, device=kernel.device)
                 kernel.params.profile = times.data_ptr()
                 try:
                     kernel.launch(schedule, 1)
                     kernel.check()
                 finally:
                     kernel.params.profile = 0
-                busy = (times[:, 2] - times[:, 1]).cpu()[is_oproj].double().median().item() / 1e3
+                busy = (times[:, 2] - times[:, 1])[is_oproj].double().median().item() / 1e3
                 print(f"{mode:>10}{'on' if prefetch else 'off':>10}{ms * 1e3:11.1f}{busy:25.2f}")
     finally:
         kernel.params.flags = flags
