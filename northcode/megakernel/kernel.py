@@ -219,6 +219,12 @@ class RowSpec:
     min_p: float = 0.0
 
 
+def _variant(name: str) -> Variant:
+    if name not in VARIANTS:
+        raise ValueError(f"megakernel: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    return VARIANTS[name]
+
+
 class Megakernel:
     """One model's megakernel on one GPU: weights, KV pools and block tables by pointer, scratch owned here.
 
@@ -236,9 +242,7 @@ class Megakernel:
         from northcode.model.model import rope_inv_freq
 
         self.config, self.device = config, k_pool.device
-        if variant not in VARIANTS:
-            raise ValueError(f"megakernel: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-        self.build_defines = VARIANTS[variant].build_defines()  # the build every later variant must share
+        self.build_defines = _variant(variant).build_defines()  # the build every later variant must share
         self.lib = load_library(build_library(config, variant_defines=self.build_defines), config)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self._weights = self._check_weights(weights)
@@ -263,13 +267,12 @@ class Megakernel:
     def set_variant(self, name: str) -> None:
         """Run later steps as VARIANTS[name] (flags and schedule options); "default" is the tested path. A variant
         with another build (Variant.build_defines) needs its own Megakernel."""
-        if name not in VARIANTS:
-            raise ValueError(f"megakernel: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
-        if VARIANTS[name].build_defines() != self.build_defines:
+        variant = _variant(name)
+        if variant.build_defines() != self.build_defines:
             raise ValueError(f"megakernel: variant {name!r} runs on another build of the kernel than this one's "
-                             f"({VARIANTS[name].build_defines() or 'the default'}); make a Megakernel with "
+                             f"({variant.build_defines() or 'the default'}); make a Megakernel with "
                              f"variant={name!r}")
-        self.variant_name, self.variant = name, VARIANTS[name]
+        self.variant_name, self.variant = name, variant
         self.params.flags = self.variant.flags
         self.params.kv_stages = min(self.variant.kv_stages, self.lib.nc_max_kv_stages())
 
