@@ -158,9 +158,9 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
     norm_done = counters.alloc()
     waves.append([make_task(TaskType.NORM, layer, (b,), previous, norm_done) for b in range(batch)])
     local = previous if local_norm else ()
-    local_arg = (1,) if local else ()
     after_norm = ((norm_done, batch),) if local else ()
     qkv_done = counters.alloc(kvh)
+    x_read = counters.alloc() if local else -1
     qkv, per_group = [], [0] * kvh
     for g in range(kvh):
         for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
@@ -168,10 +168,11 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
             per_task = (q_tiles or qkv_tiles) if first < c.q_size // 16 else qkv_tiles
             for tile in range(first, first + count, per_task):
                 qkv.append(make_task(TaskType.QKV, layer, (tile, min(per_task, first + count - tile), int(c.uses_rope(layer)))
-                                     + local_arg, local or ((norm_done, batch),), qkv_done + g))
+                                     + ((1, x_read) if local else ()), local or ((norm_done, batch),), qkv_done + g))
                 per_group[g] += 1
     qkv_wave = len(waves)
     waves.append(qkv)
+    x_read_waits = ((x_read, len(qkv)),) if local else ()  # the MLP's adds into x after every QKV task read it
     attn_done, combine_done = counters.alloc(batch * kvh), counters.alloc()
     oproj_done, mlp_done = counters.alloc(), counters.alloc()
     window = c.window(layer) or 0
@@ -185,14 +186,15 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
         up_done = counters.alloc()
         up_tiles, down_tiles = c.dense_intermediate_size // 16, c.hidden_size // 32
         waves.append([make_task(TaskType.DENSE_UP, layer, (t, 1), ((norm_done, batch),), up_done) for t in range(up_tiles)])
-        waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),), mlp_done)
+        waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),) + x_read_waits, mlp_done)
                          for t in range(down_tiles)], combine, oproj]
         return (oproj_done, len(oproj)), (mlp_done, down_tiles)
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
     router_tiles = math.ceil(c.num_experts / 16)
-    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1) + local_arg, local or ((norm_done, batch),),
+    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1) + ((1,) if local else ()),
+                                                     local or ((norm_done, batch),),
                                                      router_done) for t in range(router_tiles)]),
                                 ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
     apart = batch * kvh if combine_apart and batch * kvh <= 8 and 2 * batch * kvh <= num_blocks else 0
@@ -203,7 +205,8 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
                                                     ((topk_done, 1),) + after_norm, mlp_done)), oproj]
         return (oproj_done, len(oproj)), (mlp_done, num_blocks)
     up = ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim), ((topk_done, 1),) + after_norm))
-    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),) + after_norm, mlp_done))
+    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done) + (x_read_waits[0] if local else ()),
+                              ((topk_done, 1),) + after_norm, mlp_done))
     waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
               "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return (oproj_done, len(oproj)), (mlp_done, num_blocks)
@@ -333,7 +336,8 @@ def test_local_norm_orders_the_residual_after_the_norm(preset: str, batch: int) 
     """local_norm: after layer 0, QKV and the router wait for the previous layer (not the norm) and normalise the
     residual themselves (their local-norm argument set); every task that reads the norm's h or adds into the
     residual (o_proj, MoE up and down, dense MLP) still depends, directly or through others, on the layer's
-    NORM: it rounds the residual in place, so an add before it would be lost."""
+    NORM: it rounds the residual in place, so an add before it would be lost; and every add into the residual
+    waits until each QKV task of its layer has read it (the router's reads are behind top-k already)."""
     config = _preset(preset)
     schedule = build_schedule(config, batch, 132, attention_splits(config, batch, 132, 300),
                               **VARIANTS["local-norm"].schedule_options())
@@ -356,7 +360,14 @@ def test_local_norm_orders_the_residual_after_the_norm(preset: str, batch: int) 
         return False
 
     norm_counter = {t[1]: t[12] for t in tasks if t[0] == TaskType.NORM}
+    qkv = {}  # layer -> the QKV tasks' (x read counter, their count, the counters they signal when done)
+    for t in tasks:
+        if t[0] == TaskType.QKV and t[1] >= 1:
+            counter, count, done = qkv.get(t[1], (t[6], 0, set()))
+            assert t[6] == counter, f"layer {t[1]}: QKV tasks count different x-read counters"
+            qkv[t[1]] = (counter, count + 1, done | {t[12]})
     guarded = {TaskType.OPROJ, TaskType.MOE_UP, TaskType.MOE_DOWN, TaskType.DENSE_UP, TaskType.DENSE_DOWN}
+    adders = {TaskType.OPROJ, TaskType.MOE_DOWN, TaskType.DENSE_DOWN}
     checked = 0
     for i, t in enumerate(tasks):
         layer, kind = t[1], TaskType(t[0])
@@ -366,4 +377,12 @@ def test_local_norm_orders_the_residual_after_the_norm(preset: str, batch: int) 
         elif kind in guarded and 1 <= layer < config.num_hidden_layers:
             assert depends_on(i, norm_counter[layer]), f"{kind.name} of layer {layer} may run before its norm"
             checked += 1
+        if kind in adders and 1 <= layer < config.num_hidden_layers:  # the QKV tasks now read x: adds wait for them
+            x_read, count, done = qkv[layer]
+            if kind == TaskType.MOE_DOWN:  # an in-task wait before its first add: arg2 counter, arg3 target
+                assert (t[4], t[5]) == (x_read, count), f"MOE_DOWN of layer {layer} does not wait for x's readers"
+            elif kind == TaskType.DENSE_DOWN:
+                assert (x_read, count) in ((t[8], t[10]), (t[9], t[11])), f"DENSE_DOWN of layer {layer}: {t}"
+            else:
+                assert all(depends_on(i, c) for c in done), f"OPROJ of layer {layer} may add before a QKV task read x"
     assert checked > 0

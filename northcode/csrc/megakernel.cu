@@ -78,15 +78,16 @@ static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
 enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
-  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope, arg3 local norm (NC_LOCAL_NORM):
-                        // q, and K/V into the pages
+  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope, arg3 local norm (NC_LOCAL_NORM) with arg4
+                        // the "x read" counter it counts: q, and K/V into the pages
   TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
   TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles, arg2 local norm (NC_LOCAL_NORM): router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
   TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
-  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
+  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range); NC_LOCAL_NORM:
+                        // arg3 > 0: waits for counter arg2 to reach arg3 before adding into x
   TASK_DENSE_UP = 10,   // arg0 first tile, arg1 tiles: silu(gate) * up
   TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
   TASK_LM_HEAD = 12,    // arg0 first 32-row tile, arg1 tiles, arg2 task index: logits + partial argmaxes
@@ -108,10 +109,12 @@ enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_F
 #define NC_LEAN_FUSED 0
 #endif
 // NC_LOCAL_NORM (compile time, the `local-norm` variant's build; 0: the default): a QKV task whose arg3 is set, and
-// a ROUTER task whose arg2 is set, normalise the residual rows themselves (local_norm_rows) instead of waiting
-// for the layer's NORM task and reading its h: the layer's first products start one task hop (~4 us at B = 1)
-// earlier. NORM still runs (the rounded residual, h for the MoE tasks); tasks.build_schedule(local_norm=True).
-// Day 2's local norm without a NORM task (runs 18-19) was 9-18% slower and taken out; this form keeps NORM.
+// a ROUTER task whose arg2 is set, read the residual x instead of the layer's NORM output h and fold the norm into
+// their product (mma_tiles<NT, true>: W (w * bf16(x)) scaled by each row's 1/rms), so they wait for the previous
+// layer instead of the NORM task: the layer's first products start one task hop (~4.6 us at B = 1) earlier. NORM
+// still runs (the rounded residual, h for the MoE tasks); tasks.build_schedule(local_norm=True). Day 2's local
+// norm without a NORM task (runs 18-19) was 9-18% slower; day 3's first form (each task normalised the rows into
+// shared memory before its product, run 49) 11% slower: the norm's round trips went before the weight loads.
 #ifndef NC_LOCAL_NORM
 #define NC_LOCAL_NORM 0
 #endif
@@ -203,8 +206,16 @@ __device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
 
 __device__ __forceinline__ uint4 load_weight16(const void* ptr) {  // immutable: skip L1
   uint4 r;
+#if NC_WEIGHT_EVICT_FIRST  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): a weight line read (often prefetched
+  // into L2 as evict_last) leaves L2 first once read: every weight is read once a step
+  asm volatile("{ .reg .b64 policy;\n"
+               "  createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+               "  ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], policy; }"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
+#else
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
+#endif
   return r;
 }
 __device__ __forceinline__ uint4 load_act16(const void* ptr) {  // written in this launch: L2 only
@@ -213,11 +224,46 @@ __device__ __forceinline__ uint4 load_act16(const void* ptr) {  // written in th
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(ptr));
 }
+#if NC_OPROJ_EARLY  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): part of the layer's o_proj weights into L2
+// long before the o_proj tasks (~30-40 us at B = 1, which read them from HBM behind the MoE down share): share
+// `part` of `parts` (a 128-B line each), issued by a QKV task (1) or an ATTN task (2) after its own work
+__device__ void prefetch_oproj_share(const bf16* o_proj, int part, int parts, size_t bytes) {
+  const size_t lo = bytes * part / parts / 128 * 128, hi = bytes * (part + 1) / parts / 128 * 128;
+  for (size_t off = lo + threadIdx.x * 128; off < hi; off += kThreads * 128)
+    prefetch_l2(reinterpret_cast<const char*>(o_proj) + off);
+}
+#endif
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
 }
+// Copies of data read once a step (the MoE experts, the KV pages): the lines leave L2 first, so that what the L2
+// prefetch brought in (evict_last) survives the ~75 MB of experts a layer streams past it (run 52: B = 1 -1.6%,
+// B = 8 -1.9%; run 53, the KV pages too: -0.8% / -0.7% more). NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_EVICT_FIRST=0 or
+// NC_KV_EVICT_FIRST=0 builds the plain copy for comparison.
+#ifndef NC_MOE_EVICT_FIRST
+#define NC_MOE_EVICT_FIRST 1
+#endif
+__device__ __forceinline__ void cp_async16_evict_first(void* dst, const void* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("{ .reg .b64 policy;\n"
+               "  createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+               "  cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy; }" ::"r"(d), "l"(src));
+}
+#if NC_MOE_EVICT_FIRST
+#define NC_MOE_COPY cp_async16_evict_first
+#else
+#define NC_MOE_COPY cp_async16
+#endif
+#ifndef NC_KV_EVICT_FIRST  // run 53: B = 1 -0.8%, B = 8 -0.7% on top of the experts'
+#define NC_KV_EVICT_FIRST 1
+#endif
+#if NC_KV_EVICT_FIRST
+#define NC_KV_COPY cp_async16_evict_first
+#else
+#define NC_KV_COPY cp_async16
+#endif
 
 __device__ __forceinline__ long long global_ns() {
   long long t;
@@ -377,14 +423,48 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
-template <int NT, bool kSharedAct = false>  // kSharedAct: act is in shared memory (local_norm_rows' h)
+// 8 residual values (fp32, two 16-B pieces) and their norm weights -> the bf16 activation piece bf16(w * bf16(x));
+// adds bf16(x)^2 to sq.
+__device__ __forceinline__ uint4 fold_piece(const uint4& lo, const uint4& hi, const uint4& w, float& sq) {
+  const float4 a = *reinterpret_cast<const float4*>(&lo), b = *reinterpret_cast<const float4*>(&hi);
+  const float v[8] = {bf16_round(a.x), bf16_round(a.y), bf16_round(a.z), bf16_round(a.w),
+                      bf16_round(b.x), bf16_round(b.y), bf16_round(b.z), bf16_round(b.w)};
+  const unsigned wr[4] = {w.x, w.y, w.z, w.w};
+  unsigned packed[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wr[i]));
+    const __nv_bfloat162 a = __floats2bfloat162_rn(wf.x * v[2 * i], wf.y * v[2 * i + 1]);
+    packed[i] = *reinterpret_cast<const unsigned*>(&a);
+    sq += v[2 * i] * v[2 * i] + v[2 * i + 1] * v[2 * i + 1];
+  }
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// mma_tiles<NT, true> (NC_LOCAL_NORM): the activation row is the residual x, normalised on the way: the product
+// runs on bf16(w * bf16(x)) (w the norm's weight) and each batch column of out is scaled by 1 / rms(bf16(x)) at the
+// end (RMSNorm only; task_norm's h = bf16(w * bf16(bf16(x) / rms)) rounds once more: a bf16 step, not a bit match).
+struct FoldNorm {
+  const float* x;      // the residual rows (fp32 [8][K]); `act` is not read
+  const bf16* weight;  // the norm's weight [K]
+  uint4* stage;        // shared memory: each lane's pieces of x and the weight ([K / 256] x 3 x kThreads x 16 B)
+  float* part;         // shared memory: kWarps x 8 partial sums of squares
+  float eps;
+};
+
+// kSplit (NC_SPLITK, NT = 2): one tile's two halves of K as the two "tiles" (w_tile = {w, w + K / 2}, the rows K
+// apart), each with its half of the activation row: twice the loads in flight per pass, half the passes; the
+// caller adds out[0] and out[1].
+template <int NT, bool kFold = false, bool kSplit = false>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
-                          const bf16* act, int act_stride, int batch, float* red, float* out) {
+                          const bf16* act, int act_stride, int batch, float* red, float* out,
+                          const FoldNorm* fold = nullptr) {
   // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
   // 220 bytes at 255 registers: day 3)
   constexpr int U = 4;
+  static_assert(!kSplit || (NT == 2 && !kFold), "split K: two halves of one tile");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int nchunk = K / 32;
+  const int nchunk = kSplit ? K / 64 : K / 32;
   const bf16* w_lo[NT];
   const bf16* w_hi[NT];
 #pragma unroll
@@ -403,9 +483,22 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float sq = 0.f;  // kFold: this lane's sum of bf16(x)^2 over its pieces of row g
+  if constexpr (kFold) {  // the lane's own pieces of x's row g and of the norm weight, all in flight with the first
+    // pass's weights, into the lane's own slots (no barrier: its own wait); in registers they spilled 136-240 B
+    for (int c = warp; c < nchunk; c += kWarps) {
+      uint4* slot = fold->stage + (size_t)(c / kWarps) * 3 * kThreads + threadIdx.x;
+      if (has_row) {
+        cp_async16(slot, fold->x + (size_t)g * K + c * 32 + 8 * t);
+        cp_async16(slot + kThreads, fold->x + (size_t)g * K + c * 32 + 8 * t + 4);
+      }
+      cp_async16(slot + 2 * kThreads, fold->weight + c * 32 + 8 * t);
+    }
+    asm volatile("cp.async.commit_group;");
+  }
 
   for (int c0 = warp; c0 < nchunk; c0 += kWarps * U) {
-    uint4 wa[NT][U], wb[NT][U], xa[U];
+    uint4 wa[NT][U], wb[NT][U], xa[U], xb[kSplit ? U : 1];  // xb: kSplit's second half of the activation
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + kWarps * u;
@@ -415,32 +508,52 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
           wb[n][u] = load_weight16(w_hi[n] + c * 32);
         }
-        if constexpr (kSharedAct)
-          xa[u] = has_row ? *reinterpret_cast<const uint4*>(a_row + c * 32) : make_uint4(0, 0, 0, 0);
-        else
-          xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+        if constexpr (!kFold) xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+        if constexpr (kSplit) xb[u] = has_row ? load_act16(a_row + K / 2 + c * 32) : make_uint4(0, 0, 0, 0);
       }
     }
+    if constexpr (kFold) asm volatile("cp.async.wait_group 0;" ::: "memory");  // the lane's x and weight pieces
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c0 + kWarps * u < nchunk) {
+        if constexpr (kFold) {
+          const uint4* slot = fold->stage + (size_t)((c0 + kWarps * u) / kWarps) * 3 * kThreads + threadIdx.x;
+          const uint4 zero = make_uint4(0, 0, 0, 0);
+          xa[u] = fold_piece(has_row ? slot[0] : zero, has_row ? slot[kThreads] : zero, slot[2 * kThreads], sq);
+        }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
+          const uint4& xv = kSplit && n == 1 ? xb[kSplit ? u : 0] : xa[u];
           asm volatile(
               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
               "{%0,%1,%2,%3};"
               : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
-              : "r"(wa[n][u].x), "r"(wb[n][u].x), "r"(wa[n][u].y), "r"(wb[n][u].y), "r"(xa[u].x), "r"(xa[u].y));
+              : "r"(wa[n][u].x), "r"(wb[n][u].x), "r"(wa[n][u].y), "r"(wb[n][u].y), "r"(xv.x), "r"(xv.y));
           asm volatile(
               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
               "{%0,%1,%2,%3};"
               : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
-              : "r"(wa[n][u].z), "r"(wb[n][u].z), "r"(wa[n][u].w), "r"(wb[n][u].w), "r"(xa[u].z), "r"(xa[u].w));
+              : "r"(wa[n][u].z), "r"(wb[n][u].z), "r"(wa[n][u].w), "r"(wb[n][u].w), "r"(xv.z), "r"(xv.w));
         }
       }
     }
   }
+  if constexpr (kFold) {  // row g's sum of squares: the 4 lanes of the row, then (after reduce_warps' first barrier)
+    sq += __shfl_xor_sync(0xffffffffu, sq, 1);  // the warps
+    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+    if (t == 0) fold->part[warp * 8 + g] = sq;  // the last reader of `part` (the previous tile) passed a barrier
+  }
   reduce_warps<NT>(acc, red, out);
+  if constexpr (kFold) {
+    for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
+      const int b = i & 7;
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += fold->part[w * 8 + b];
+      out[i] *= 1.0f / sqrtf(total / K + fold->eps);
+    }
+    __syncthreads();
+  }
 }
 
 // Shared-memory regions of the product (both fit any task's layout: they are used alone).
@@ -449,6 +562,7 @@ struct GemmSmem {
   float out[2 * 128];
   ArgMax best[128];
 };
+constexpr size_t kMoeRingOffset = (sizeof(GemmSmem) + 15) / 16 * 16;  // where the MoE ring's memory starts
 
 __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int which) {
   return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
@@ -520,100 +634,6 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
 #endif
 }
 
-#if NC_LOCAL_NORM
-// The NORM task's h for the batch's rows, computed by this block into shared memory: the rows of x go into
-// shared memory by cp.async (one round trip, no register per value in flight: a register copy of 8 rows spilled
-// 312 bytes at 255), the norm weight into registers meanwhile; the rows' sums meet in one block reduction. The
-// same arithmetic as task_norm: h is NORM's bit for bit. Layout: x's rows (fp32 [8][H]) from 0, where the
-// products' GemmSmem goes once they are read; h (bf16 [8][kLocalHStride]) after them; the reduction's floats last.
-// bf16 a row of h: +64 B, so that the two rows of a quarter warp's 16-B loads in mma_tiles take different banks
-constexpr int kLocalHStride = kHidden + 32;
-constexpr size_t kLocalStageBytes = size_t{kMaxBatch} * kHidden * 4;
-constexpr size_t kLocalHOffset =
-    ((kLocalStageBytes > sizeof(GemmSmem) ? kLocalStageBytes : sizeof(GemmSmem)) + 15) / 16 * 16;
-constexpr size_t kLocalRedOffset = kLocalHOffset + ((size_t)kMaxBatch * kLocalHStride * 2 + 15) / 16 * 16;
-constexpr size_t kLocalNormSmemBytes = kLocalRedOffset + (size_t)kWarps * kMaxBatch * 4;
-static_assert(kHidden % 4 == 0, "local norm: x rows copied in 16-byte pieces");
-
-// Block-wide sums of kN values at once (every thread gets all kN); `red` holds kWarps x kN floats.
-template <int kN>
-__device__ void block_sums(float (&v)[kN], float* red) {
-#pragma unroll
-  for (int n = 0; n < kN; ++n) v[n] = warp_sum(v[n]);
-  __syncthreads();  // the previous user of `red` is done
-  if ((threadIdx.x & 31) == 0)
-#pragma unroll
-    for (int n = 0; n < kN; ++n) red[(threadIdx.x >> 5) * kN + n] = v[n];
-  __syncthreads();
-#pragma unroll
-  for (int n = 0; n < kN; ++n) {
-    v[n] = 0.f;
-    for (int w = 0; w < kWarps; ++w) v[n] += red[w * kN + n];
-  }
-}
-
-__device__ const bf16* local_norm_rows(const Params& p, int layer, unsigned char* smem) {
-  constexpr int kPer = (kHidden + kThreads - 1) / kThreads;
-  float* stage = reinterpret_cast<float*>(smem);  // [batch][kHidden]: bf16-rounded where used
-  bf16* h = reinterpret_cast<bf16*>(smem + kLocalHOffset);
-  float* red = reinterpret_cast<float*>(smem + kLocalRedOffset);  // kWarps x kMaxBatch
-  const int batch = p.batch_size;
-  __syncthreads();  // the previous user of this memory is done
-  for (int k = threadIdx.x; k < batch * kHidden / 4; k += kThreads) cp_async16(stage + 4 * k, p.x + 4 * k);
-  asm volatile("cp.async.commit_group;");
-  const bf16* weight = layer_ptr(p, layer, LP_NORM);
-  float w[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    w[j] = i < kHidden ? to_f(weight[i]) : 0.f;
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-  __syncthreads();
-  // Each row's sum of (v - mean) (squared where asked) over the block; LayerNorm takes the means first, RMSNorm
-  // keeps mean 0 (v - 0 is v exactly: task_norm's sums, bit for bit)
-  float part[kMaxBatch], mean[kMaxBatch];
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) mean[b] = 0.f;
-  auto row_sums = [&](bool squares) {
-#pragma unroll
-    for (int b = 0; b < kMaxBatch; ++b) {
-      part[b] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        const int i = threadIdx.x + j * kThreads;
-        if (b < batch && i < kHidden) {
-          const float d = bf16_round(stage[b * kHidden + i]) - mean[b];
-          part[b] += squares ? d * d : d;
-        }
-      }
-    }
-    block_sums<kMaxBatch>(part, red);
-  };
-#if !NC_RMS_NORM
-  row_sums(false);
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) mean[b] = part[b] / kHidden;
-#endif
-  row_sums(true);
-  for (int b = 0; b < batch; ++b) {
-    const float inv = 1.0f / sqrtf(part[b] / kHidden + p.norm_eps);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = threadIdx.x + j * kThreads;
-      if (i >= kHidden) continue;
-      const float v = bf16_round(stage[b * kHidden + i]);
-#if NC_RMS_NORM
-      h[b * kLocalHStride + i] = __float2bfloat16_rn(w[j] * bf16_round(v * inv));
-#else
-      h[b * kLocalHStride + i] = __float2bfloat16_rn(w[j] * ((v - mean[b]) * inv));
-#endif
-    }
-  }
-  __syncthreads();
-  return h;
-}
-#endif
 
 // ====  5. Task: QKV  ===========================================================================
 //   16-row tiles of the stacked [q; k; v] projection of h (K = H). Epilogue per (row r, batch b):
@@ -657,32 +677,51 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
                               : layer_ptr(p, layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
 }
 
-// act: h (global, NORM's; or shared, local_norm_rows') with rows act_stride apart
-template <bool kSharedAct>
-__device__ void qkv_products(const Params& p, const Task& t, unsigned char* smem, const bf16* act, int act_stride) {
+// fold: null, the product of NORM's h; else the norm folded into it (NC_LOCAL_NORM)
+template <bool kFold>
+__device__ void qkv_products(const Params& p, const Task& t, unsigned char* smem, const FoldNorm* fold) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int end = t.arg[0] + t.arg[1];
   for (int tile = t.arg[0]; tile < end; tile += 2) {  // two tiles per product when the task has them
     if (tile + 1 < end) {
       const bf16* tiles[2] = {qkv_weight_tile(p, t.layer, tile), qkv_weight_tile(p, t.layer, tile + 1)};
       const int valid[2] = {16, 16};
-      mma_tiles<2, kSharedAct>(tiles, valid, kHidden, act, act_stride, p.batch_size, s.red, s.out);
+      mma_tiles<2, kFold>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, fold);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
-      mma_tiles<1, kSharedAct>(tiles, valid, kHidden, act, act_stride, p.batch_size, s.red, s.out);
+      mma_tiles<1, kFold>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, fold);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     }
   }
 }
 
+#if NC_LOCAL_NORM
+__device__ FoldNorm fold_norm(const Params& p, int layer, unsigned char* smem) {
+  static_assert(sizeof(GemmSmem::best) >= kWarps * 8 * sizeof(float), "FoldNorm.part in GemmSmem.best");
+  static_assert(NC_RMS_NORM, "the local norm folds RMSNorm only (LayerNorm's mean does not fold into the product)");
+  return FoldNorm{p.x, layer_ptr(p, layer, LP_NORM), reinterpret_cast<uint4*>(smem + kMoeRingOffset),
+                  reinterpret_cast<float*>(reinterpret_cast<GemmSmem*>(smem)->best), p.norm_eps};
+}
+#endif
+
 __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
 #if NC_LOCAL_NORM
-  if (t.arg[3]) return qkv_products<true>(p, t, smem, local_norm_rows(p, t.layer, smem), kLocalHStride);
+  if (t.arg[3]) {
+    const FoldNorm fold = fold_norm(p, t.layer, smem);
+    qkv_products<true>(p, t, smem, &fold);
+    signal_counter(p, t.arg[4]);  // x is read: the MoE down tasks wait for this before adding into it
+    return;
+  }
 #endif
-  qkv_products<false>(p, t, smem, p.h, kHidden);
+  qkv_products<false>(p, t, smem, nullptr);
+#if NC_OPROJ_EARLY == 1  // the QKV task's share of o_proj: its tiles' share of the layer's QKV tiles
+  constexpr int kTiles = (kQSize + 2 * kKvSize) / 16;
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile)
+    prefetch_oproj_share(layer_ptr(p, t.layer, LP_O), tile, kTiles, (size_t)kHidden * kQSize * 2);
+#endif
 }
 
 // ====  6. Task: ATTN  ==========================================================================
@@ -741,8 +780,8 @@ __device__ void load_kv_page(const Params& p, AttnSmem& s, int stage, int page, 
   for (int i = threadIdx.x; i < kPage * kChunks; i += kThreads) {
     const int o = i / kChunks, c = i % kChunks;
     const size_t src = (((size_t)page * kPage + o) * kKvHeads + kvh) * kHeadDim + c * 8;
-    cp_async16(&s.kv[stage].k[o][c * 8], p.k_pool + src);
-    cp_async16(&s.kv[stage].v[o][c * 8], p.v_pool + src);
+    NC_KV_COPY(&s.kv[stage].k[o][c * 8], p.k_pool + src);
+    NC_KV_COPY(&s.kv[stage].v[o][c * 8], p.v_pool + src);
   }
   asm volatile("cp.async.commit_group;");
 }
@@ -902,6 +941,10 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
     p.attn_ml[(base * kGroup + threadIdx.x) * 2] = s.m[threadIdx.x];
     p.attn_ml[(base * kGroup + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
   }
+#if NC_OPROJ_EARLY == 2  // the ATTN task's share of o_proj: its index among the layer's batch x heads x splits tasks
+  prefetch_oproj_share(layer_ptr(p, t.layer, LP_O), (b * kKvHeads + kvh) * t.arg[3] + split,
+                       p.batch_size * kKvHeads * t.arg[3], (size_t)kHidden * kQSize * 2);
+#endif
 }
 
 // ====  7. Task: COMBINE  =======================================================================
@@ -953,11 +996,21 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
 //   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
 //   branch adds into the same rows).
 __device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
+#if NC_SPLITK  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): K's halves in flight together (mma_tiles kSplit)
+  const bf16* w = layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize;
+  const bf16* tiles[2] = {w, w + kQSize / 2};
+  const int valid[2] = {16, 16};
+  mma_tiles<2, false, true>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
+  const int i = threadIdx.x, r = i >> 3, b = i & 7;
+  if (i < 128 && b < p.batch_size)
+    atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i] + s.out[128 + i]));
+#else
   const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
   const int valid[1] = {16};
   mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
   const int i = threadIdx.x, r = i >> 3, b = i & 7;
   if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
+#endif
 }
 
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
@@ -971,15 +1024,24 @@ __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) 
 
 // ====  9. Task: ROUTER  ========================================================================
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
-template <bool kSharedAct>
-__device__ void router_products(const Params& p, const Task& t, unsigned char* smem, const bf16* act,
-                                int act_stride) {
+template <bool kFold>
+__device__ void router_products(const Params& p, const Task& t, unsigned char* smem, const FoldNorm* fold) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
+#if NC_SPLITK >= 2  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): K's halves in flight together
+    static_assert(!kFold, "NC_SPLITK=2 does not fold the local norm");
+    const bf16* w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden;
+    const bf16* tiles[2] = {w, w + kHidden / 2};
+    const int valid[2] = {min(16, kExperts - tile * 16), min(16, kExperts - tile * 16)};
+    mma_tiles<2, false, true>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
+    if (i < 128) s.out[i] += s.out[128 + i];  // read back by the same thread below
+#else
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-    mma_tiles<1, kSharedAct>(tiles, valid, kHidden, act, act_stride, p.batch_size, s.red, s.out);
+    mma_tiles<1, kFold>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, fold);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
+#endif
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
       if (p.trace_router) p.trace_router[((size_t)t.layer * kMaxBatch + b) * kExperts + e] = bf16_round(s.out[i]);
@@ -989,9 +1051,12 @@ __device__ void router_products(const Params& p, const Task& t, unsigned char* s
 
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
 #if NC_LOCAL_NORM
-  if (t.arg[2]) return router_products<true>(p, t, smem, local_norm_rows(p, t.layer, smem), kLocalHStride);
+  if (t.arg[2]) {
+    const FoldNorm fold = fold_norm(p, t.layer, smem);
+    return router_products<true>(p, t, smem, &fold);
+  }
 #endif
-  router_products<false>(p, t, smem, p.h, kHidden);
+  router_products<false>(p, t, smem, nullptr);
 }
 
 // ====  10. Task: TOPK  =========================================================================
@@ -1112,7 +1177,6 @@ constexpr int kUpTilesPerSlot = kExpertWidth / 16;
 constexpr int kDownTilesPerSlot = kHidden / 32;
 constexpr int kUpSteps = (kHidden / 32 + kWarps - 1) / kWarps;         // k-chunks per warp of an up tile
 constexpr int kDownSteps = (kExpertWidth / 32 + kWarps - 1) / kWarps;  // ... of a down tile
-constexpr size_t kMoeRingOffset = (sizeof(GemmSmem) + 15) / 16 * 16;
 constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
 
 enum StreamKind : int { STREAM_DOWN = 0, STREAM_UP = 1 };
@@ -1159,11 +1223,18 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
     const bf16 *wa, *wb;
     moe_tile_rows(st, tile, wa, wb);
     uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
+#if NC_STREAM_PATTERN  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING; moe_stream_bench only: the products are
+    // wrong): step j of the tile reads 8 KB of each matrix contiguously (a warp's copy: 512 B in a row) instead of
+    // rows g, g+8 at the warp's chunks (8 pieces of 64 B, 2 KB apart per copy): does the access pattern bound the stream?
+    (void)c;
+    const size_t lo = (size_t)(q % st.steps) * 4096 + 8 * threadIdx.x, hi = lo + 2048;
+#else
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
-    cp_async16(slot, wa + lo);
-    cp_async16(slot + kThreads, wa + hi);
-    cp_async16(slot + 2 * kThreads, wb + lo);
-    cp_async16(slot + 3 * kThreads, wb + hi);
+#endif
+    NC_MOE_COPY(slot, wa + lo);
+    NC_MOE_COPY(slot + kThreads, wa + hi);
+    NC_MOE_COPY(slot + 2 * kThreads, wb + lo);
+    NC_MOE_COPY(slot + 3 * kThreads, wb + hi);
   }
   asm volatile("cp.async.commit_group;");
 }
@@ -1266,6 +1337,9 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
 __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const MoeStream st = moe_stream(p, t, smem, false);
+#if NC_LOCAL_NORM  // the QKV tasks that read x themselves have read it (the weights' first steps are in flight)
+  if (t.arg[3] > 0) wait_counter(p, t.arg[2], t.arg[3]);
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   uint4 xa[kDownSteps];
   float weight = 0.f;
@@ -1546,7 +1620,12 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     w = R < kQSize ? layer_ptr(p, t.layer, LP_Q) + (size_t)R * kHidden
       : R < kQSize + kKvSize ? layer_ptr(p, t.layer, LP_K) + (size_t)(R - kQSize) * kHidden
                              : layer_ptr(p, t.layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
+#if NC_QKV_PREFETCH_ALL  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): every tile of the task (build_schedule's
+    // tasks never straddle q/k/v: tasks.qkv_task_count), not only the first
+    bytes = (size_t)t.arg[1] * 16 * kHidden * 2;
+#else
     bytes = (size_t)16 * kHidden * 2;  // the first tile (a task's tiles can straddle q/k/v)
+#endif
   } else if (t.type == TASK_ROUTER) {
     w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)t.arg[0] * 16 * kHidden;
     bytes = (size_t)min(t.arg[1] * 16, kExperts - t.arg[0] * 16) * kHidden * 2;
@@ -1682,7 +1761,8 @@ constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
 constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
 #if NC_LOCAL_NORM
-static_assert(kLocalNormSmemBytes <= kBaseSmemBytes, "local norm: its h and x rows fit every launch's shared memory");
+static_assert(kMoeRingOffset + (kHidden / 32 + kWarps - 1) / kWarps * 3 * kThreads * 16 <= kBaseSmemBytes,
+              "FoldNorm.stage: in every launch's shared memory");
 #endif
 
 // ====  16. C ABI  ==============================================================================

@@ -191,15 +191,17 @@ class _WaveMaker:
 
 
 def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
-                     num_splits: int, combine_mode: str = "plain", local: tuple = ()) -> tuple[list, tuple[int, int]]:
+                     num_splits: int, combine_mode: str = "plain", local: tuple = ()) -> tuple[list, tuple]:
     """One layer's QKV, ATTN, COMBINE (placed as combine_mode says) and OPROJ waves; also allocates the layer's
-    MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order.
-    local: the previous layer's (counter, target) pairs, where QKV normalises the residual itself (QKV arg3 = 1,
-    the kernel's NC_LOCAL_NORM build) and waits for them instead of the norm; o_proj then also waits for the norm
-    (its adds into the residual must follow the norm's rounding of it)."""
+    MLP counter (returned with the o_proj counter: (oproj_done, mlp_done, x_read)), in the counters' reference
+    order. local: the previous layer's (counter, target) pairs, where QKV normalises the residual itself (QKV arg3
+    = 1, the kernel's NC_LOCAL_NORM build) and waits for them instead of the norm; o_proj then also waits for the
+    norm (its adds into the residual must follow the norm's rounding of it), and x_read is the (counter, target)
+    that says every QKV task has read the residual (QKV arg4), which the MLP's adds into it wait for; else None."""
     batch, kvh = m.batch, m.kvh
     qkv_done = counters.alloc(kvh)
-    qkv_args = ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer))) + ((1,) if local else ())
+    x_read = (counters.alloc(), len(m.qkv_tile)) if local else None
+    qkv_args = ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer))) + ((1, x_read[0]) if local else ())
     qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), qkv_args, local or ((norm_done, batch),),
                  (qkv_done, m.qkv_group))
     attn_done = counters.alloc(batch * kvh)
@@ -211,7 +213,7 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
                      (((attn_done, m.heads), num_splits),), combine_done)
     oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, ((0, m.arange(m.oproj_tiles)), 1),
                    ((combine_done, batch * kvh),) + (((norm_done, batch),) if local else ()), oproj_done)
-    return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
+    return [qkv, attn, combine, oproj], (oproj_done, mlp_done, x_read)
 
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
@@ -223,8 +225,8 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
     apart = combine_blocks_apart(c, m.batch, num_blocks, combine_apart and not c.is_dense(layer))
     local = previous if local_norm else ()  # layer 0's norm embeds the tokens: never local
-    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits,
-                                                                           "last" if apart else "plain", local)
+    (qkv, attn, combine, oproj), (oproj_done, mlp_done, x_read) = _attention_waves(
+        c, layer, m, counters, norm_done, num_splits, "last" if apart else "plain", local)
     oproj_tiles = oproj.n
     if c.is_dense(layer):
         up_done = counters.alloc()
@@ -232,7 +234,7 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
         up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, ((0, m.arange(up_tiles)), 1), ((norm_done, m.batch),),
                     up_done)
         down = m.wave("plain", TaskType.DENSE_DOWN, layer, down_tiles, ((0, m.arange(down_tiles)), 1),
-                      ((up_done, up_tiles),), mlp_done)
+                      ((up_done, up_tiles),) + ((x_read,) if x_read else ()), mlp_done)
         return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
@@ -254,7 +256,7 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
         up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim, 1), moe_waits, mlp_done)
         return [norm, router, topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
     up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim), moe_waits)
-    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), moe_waits, mlp_done)
+    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done) + (x_read or ()), moe_waits, mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
@@ -322,6 +324,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     North Mini Code (make_task and place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
+    assert not (moe_fused and local_norm), "two kernel builds: the fused MoE task has no wait for the QKV readers of x"
     q_tiles = one_round_q_tiles(config, num_blocks, qkv_tiles) if qkv_one_round else qkv_tiles
     c, m, counters = config, _WaveMaker(config, batch, qkv_tiles, q_tiles), _Counters()
     waves: list = []

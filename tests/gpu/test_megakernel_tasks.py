@@ -130,9 +130,10 @@ def check_qkv(geometry: str, layer: int, h: torch.Tensor) -> None:
 
 
 def test_local_norm_qkv_and_router(geometry: str) -> None:
-    """The local-norm build (variant local-norm): QKV tasks with arg3 set and ROUTER tasks with arg2 set normalise
-    the residual x themselves, with no NORM task before them: their q, K/V and router logits match the reference
-    on norm(bf16(x)), h is not read and x is not written (NORM, which still runs, rounds it)."""
+    """The local-norm build (variant local-norm): QKV tasks with arg3 set and ROUTER tasks with arg2 set fold the
+    norm of the residual x into their products, with no NORM task before them: their q, K/V and router logits
+    match the reference on norm(bf16(x)) (within the bf16 tolerance: the fold rounds once less), h is not read
+    and x is not written (NORM, which still runs, rounds it). arg4 = -1: no "x read" counter to count."""
     from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
     from northcode.model.model import norm
 
@@ -147,7 +148,7 @@ def test_local_norm_qkv_and_router(geometry: str) -> None:
     router_tiles = -(-config.num_experts // 16)
     kernel.q.zero_()
     kernel.router_logits.zero_()
-    run(kernel, [[make_task(TaskType.QKV, layer, (t, min(2, tiles - t), int(config.uses_rope(layer)), 1))
+    run(kernel, [[make_task(TaskType.QKV, layer, (t, min(2, tiles - t), int(config.uses_rope(layer)), 1, -1))
                   for t in range(0, tiles, 2)],
                  [make_task(TaskType.ROUTER, layer, (t, 1, 1)) for t in range(router_tiles)]])
     assert torch.equal(kernel.x, x), "the local norm wrote the residual"
