@@ -150,29 +150,24 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
 
 def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
                      qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, combine_apart: bool,
-                     up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None,
-                     local_norm: bool = False) -> tuple:
+                     up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
     norm_done = counters.alloc()
     waves.append([make_task(TaskType.NORM, layer, (b,), previous, norm_done) for b in range(batch)])
-    local = previous if local_norm else ()
-    after_norm = ((norm_done, batch),) if local else ()
     qkv_done = counters.alloc(kvh)
-    x_read = counters.alloc() if local else -1
     qkv, per_group = [], [0] * kvh
     for g in range(kvh):
         for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
                              ((c.q_size + c.kv_size + g * d) // 16, d // 16)):
             per_task = (q_tiles or qkv_tiles) if first < c.q_size // 16 else qkv_tiles
             for tile in range(first, first + count, per_task):
-                qkv.append(make_task(TaskType.QKV, layer, (tile, min(per_task, first + count - tile), int(c.uses_rope(layer)))
-                                     + ((1, x_read) if local else ()), local or ((norm_done, batch),), qkv_done + g))
+                qkv.append(make_task(TaskType.QKV, layer, (tile, min(per_task, first + count - tile), int(c.uses_rope(layer))),
+                                     ((norm_done, batch),), qkv_done + g))
                 per_group[g] += 1
     qkv_wave = len(waves)
     waves.append(qkv)
-    x_read_waits = ((x_read, len(qkv)),) if local else ()  # the MLP's adds into x after every QKV task read it
     attn_done, combine_done = counters.alloc(batch * kvh), counters.alloc()
     oproj_done, mlp_done = counters.alloc(), counters.alloc()
     window = c.window(layer) or 0
@@ -180,21 +175,20 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
                       attn_done + b * kvh + g) for b in range(batch) for s in range(num_splits) for g in range(kvh)]
     combine = [make_task(TaskType.COMBINE, layer, (b, g, num_splits), ((attn_done + b * kvh + g, num_splits),),
                          combine_done) for b in range(batch) for g in range(kvh)]
-    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),) + after_norm, oproj_done)
+    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),), oproj_done)
              for t in range(c.hidden_size // 16)]
     if c.is_dense(layer):
         up_done = counters.alloc()
         up_tiles, down_tiles = c.dense_intermediate_size // 16, c.hidden_size // 32
         waves.append([make_task(TaskType.DENSE_UP, layer, (t, 1), ((norm_done, batch),), up_done) for t in range(up_tiles)])
-        waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),) + x_read_waits, mlp_done)
+        waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),), mlp_done)
                          for t in range(down_tiles)], combine, oproj]
         return (oproj_done, len(oproj)), (mlp_done, down_tiles)
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
     router_tiles = math.ceil(c.num_experts / 16)
-    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1) + ((1,) if local else ()),
-                                                     local or ((norm_done, batch),),
+    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),),
                                                      router_done) for t in range(router_tiles)]),
                                 ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
     apart = batch * kvh if combine_apart and batch * kvh <= 8 and 2 * batch * kvh <= num_blocks else 0
@@ -202,11 +196,10 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
         combine = ("last", combine)
     if moe_fused:
         waves += [attn, combine, ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim, 1),
-                                                    ((topk_done, 1),) + after_norm, mlp_done)), oproj]
+                                                    ((topk_done, 1),), mlp_done)), oproj]
         return (oproj_done, len(oproj)), (mlp_done, num_blocks)
-    up = ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim), ((topk_done, 1),) + after_norm))
-    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done) + (x_read_waits[0] if local else ()),
-                              ((topk_done, 1),) + after_norm, mlp_done))
+    up = ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim), ((topk_done, 1),)))
+    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
     waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
               "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return (oproj_done, len(oproj)), (mlp_done, num_blocks)
@@ -214,13 +207,12 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
 
 def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                               order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                              up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None,
-                              local_norm: bool = False) -> Schedule:
+                              up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
         previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves,
-                                    combine_apart, up_claims, moe_fused, q_tiles, local_norm)
+                                    combine_apart, up_claims, moe_fused, q_tiles)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -252,14 +244,13 @@ def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code", "north-mini-code-5"])
 @pytest.mark.parametrize("order", WAVE_ORDERS + ("attention-first combine-apart", "attention-first combine-apart claims",
                                                  "attention-first combine-apart claims fused",
-                                                 "attention-first combine-apart claims one-round",
-                                                 "attention-first combine-apart claims local-norm"))
+                                                 "attention-first combine-apart claims one-round"))
 def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
     """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
     contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
     order, *options = order.split()
     apart, claims, fused = "combine-apart" in options, "claims" in options, "fused" in options
-    one_round, local_norm = "one-round" in options, "local-norm" in options
+    one_round = "one-round" in options
     config = _preset(preset)
     seen = set()
     for batch in (1, 2, 3, 8):
@@ -273,9 +264,9 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
                     where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
                     q_tiles = one_round_q_tiles(config, blocks, qkv_tiles) if one_round else None
                     _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims, fused,
-                                                one_round, local_norm),
+                                                one_round),
                                  _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, apart, claims,
-                                                           fused, q_tiles, local_norm), where)
+                                                           fused, q_tiles), where)
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:
@@ -328,61 +319,3 @@ def test_one_round_qkv_puts_at_most_one_qkv_task_on_each_block() -> None:
                      for b in range(132)]
         assert max(per_block) == most, per_block
     assert one_round_q_tiles(preset_config("tiny", 1003), 132, 2) == 2
-
-
-@pytest.mark.parametrize("preset", ["tiny", "north-mini-code-5"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_local_norm_orders_the_residual_after_the_norm(preset: str, batch: int) -> None:
-    """local_norm: after layer 0, QKV and the router wait for the previous layer (not the norm) and normalise the
-    residual themselves (their local-norm argument set); every task that reads the norm's h or adds into the
-    residual (o_proj, MoE up and down, dense MLP) still depends, directly or through others, on the layer's
-    NORM: it rounds the residual in place, so an add before it would be lost; and every add into the residual
-    waits until each QKV task of its layer has read it (the router's reads are behind top-k already)."""
-    config = _preset(preset)
-    schedule = build_schedule(config, batch, 132, attention_splits(config, batch, 132, 300),
-                              **VARIANTS["local-norm"].schedule_options())
-    tasks = schedule.tasks.tolist()
-    signallers: dict[int, list[int]] = {}
-    for i, t in enumerate(tasks):
-        if t[12] >= 0:
-            signallers.setdefault(t[12], []).append(i)
-
-    def depends_on(i: int, counter: int) -> bool:
-        seen, todo = set(), [i]
-        while todo:
-            t = tasks[todo.pop()]
-            for wait in (t[8], t[9]):
-                if wait == counter:
-                    return True
-                if wait >= 0 and wait not in seen:
-                    seen.add(wait)
-                    todo += signallers.get(wait, [])
-        return False
-
-    norm_counter = {t[1]: t[12] for t in tasks if t[0] == TaskType.NORM}
-    qkv = {}  # layer -> the QKV tasks' (x read counter, their count, the counters they signal when done)
-    for t in tasks:
-        if t[0] == TaskType.QKV and t[1] >= 1:
-            counter, count, done = qkv.get(t[1], (t[6], 0, set()))
-            assert t[6] == counter, f"layer {t[1]}: QKV tasks count different x-read counters"
-            qkv[t[1]] = (counter, count + 1, done | {t[12]})
-    guarded = {TaskType.OPROJ, TaskType.MOE_UP, TaskType.MOE_DOWN, TaskType.DENSE_UP, TaskType.DENSE_DOWN}
-    adders = {TaskType.OPROJ, TaskType.MOE_DOWN, TaskType.DENSE_DOWN}
-    checked = 0
-    for i, t in enumerate(tasks):
-        layer, kind = t[1], TaskType(t[0])
-        if kind in (TaskType.QKV, TaskType.ROUTER) and layer >= 1:
-            local_arg = t[5] if kind == TaskType.QKV else t[4]  # QKV arg3, ROUTER arg2
-            assert local_arg == 1 and norm_counter[layer] not in (t[8], t[9]), f"{kind.name} layer {layer}: {t}"
-        elif kind in guarded and 1 <= layer < config.num_hidden_layers:
-            assert depends_on(i, norm_counter[layer]), f"{kind.name} of layer {layer} may run before its norm"
-            checked += 1
-        if kind in adders and 1 <= layer < config.num_hidden_layers:  # the QKV tasks now read x: adds wait for them
-            x_read, count, done = qkv[layer]
-            if kind == TaskType.MOE_DOWN:  # an in-task wait before its first add: arg2 counter, arg3 target
-                assert (t[4], t[5]) == (x_read, count), f"MOE_DOWN of layer {layer} does not wait for x's readers"
-            elif kind == TaskType.DENSE_DOWN:
-                assert (x_read, count) in ((t[8], t[10]), (t[9], t[11])), f"DENSE_DOWN of layer {layer}: {t}"
-            else:
-                assert all(depends_on(i, c) for c in done), f"OPROJ of layer {layer} may add before a QKV task read x"
-    assert checked > 0

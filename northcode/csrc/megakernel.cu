@@ -78,16 +78,14 @@ static_assert(kExperts <= 256 && kTopK <= 32, "router sizes");
 enum TaskType : int {
   TASK_STOP = 0,
   TASK_NORM = 1,        // arg0 row, arg1 1: final norm: (embed on layer 0) residual round, norm -> h
-  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope, arg3 local norm (NC_LOCAL_NORM) with arg4
-                        // the "x read" counter it counts: q, and K/V into the pages
+  TASK_QKV = 2,         // arg0 first 16-row tile, arg1 tiles, arg2 rope: q, and K/V into the pages
   TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles, arg2 local norm (NC_LOCAL_NORM): router logits
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
   TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
-  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range); NC_LOCAL_NORM:
-                        // arg3 > 0: waits for counter arg2 to reach arg3 before adding into x
+  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
   TASK_DENSE_UP = 10,   // arg0 first tile, arg1 tiles: silu(gate) * up
   TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
   TASK_LM_HEAD = 12,    // arg0 first 32-row tile, arg1 tiles, arg2 task index: logits + partial argmaxes
@@ -107,16 +105,6 @@ enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_F
 // a tile (3.26 -> 3.49 ms a step at B = 1) with no instruction of theirs changed; see docs/performance.md.
 #ifndef NC_LEAN_FUSED
 #define NC_LEAN_FUSED 0
-#endif
-// NC_LOCAL_NORM (compile time, the `local-norm` variant's build; 0: the default): a QKV task whose arg3 is set, and
-// a ROUTER task whose arg2 is set, read the residual x instead of the layer's NORM output h and fold the norm into
-// their product (mma_tiles<NT, true>: W (w * bf16(x)) scaled by each row's 1/rms), so they wait for the previous
-// layer instead of the NORM task: the layer's first products start one task hop (~4.6 us at B = 1) earlier. NORM
-// still runs (the rounded residual, h for the MoE tasks); tasks.build_schedule(local_norm=True). Day 2's local
-// norm without a NORM task (runs 18-19) was 9-18% slower; day 3's first form (each task normalised the rows into
-// shared memory before its product, run 49) 11% slower: the norm's round trips went before the weight loads.
-#ifndef NC_LOCAL_NORM
-#define NC_LOCAL_NORM 0
 #endif
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
@@ -206,16 +194,8 @@ __device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
 
 __device__ __forceinline__ uint4 load_weight16(const void* ptr) {  // immutable: skip L1
   uint4 r;
-#if NC_WEIGHT_EVICT_FIRST  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): a weight line read (often prefetched
-  // into L2 as evict_last) leaves L2 first once read: every weight is read once a step
-  asm volatile("{ .reg .b64 policy;\n"
-               "  createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-               "  ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], policy; }"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
-#else
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
-#endif
   return r;
 }
 __device__ __forceinline__ uint4 load_act16(const void* ptr) {  // written in this launch: L2 only
@@ -224,15 +204,6 @@ __device__ __forceinline__ uint4 load_act16(const void* ptr) {  // written in th
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(ptr));
 }
-#if NC_OPROJ_EARLY  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): part of the layer's o_proj weights into L2
-// long before the o_proj tasks (~30-40 us at B = 1, which read them from HBM behind the MoE down share): share
-// `part` of `parts` (a 128-B line each), issued by a QKV task (1) or an ATTN task (2) after its own work
-__device__ void prefetch_oproj_share(const bf16* o_proj, int part, int parts, size_t bytes) {
-  const size_t lo = bytes * part / parts / 128 * 128, hi = bytes * (part + 1) / parts / 128 * 128;
-  for (size_t off = lo + threadIdx.x * 128; off < hi; off += kThreads * 128)
-    prefetch_l2(reinterpret_cast<const char*>(o_proj) + off);
-}
-#endif
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
@@ -423,48 +394,14 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
-// 8 residual values (fp32, two 16-B pieces) and their norm weights -> the bf16 activation piece bf16(w * bf16(x));
-// adds bf16(x)^2 to sq.
-__device__ __forceinline__ uint4 fold_piece(const uint4& lo, const uint4& hi, const uint4& w, float& sq) {
-  const float4 a = *reinterpret_cast<const float4*>(&lo), b = *reinterpret_cast<const float4*>(&hi);
-  const float v[8] = {bf16_round(a.x), bf16_round(a.y), bf16_round(a.z), bf16_round(a.w),
-                      bf16_round(b.x), bf16_round(b.y), bf16_round(b.z), bf16_round(b.w)};
-  const unsigned wr[4] = {w.x, w.y, w.z, w.w};
-  unsigned packed[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wr[i]));
-    const __nv_bfloat162 a = __floats2bfloat162_rn(wf.x * v[2 * i], wf.y * v[2 * i + 1]);
-    packed[i] = *reinterpret_cast<const unsigned*>(&a);
-    sq += v[2 * i] * v[2 * i] + v[2 * i + 1] * v[2 * i + 1];
-  }
-  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
-}
-
-// mma_tiles<NT, true> (NC_LOCAL_NORM): the activation row is the residual x, normalised on the way: the product
-// runs on bf16(w * bf16(x)) (w the norm's weight) and each batch column of out is scaled by 1 / rms(bf16(x)) at the
-// end (RMSNorm only; task_norm's h = bf16(w * bf16(bf16(x) / rms)) rounds once more: a bf16 step, not a bit match).
-struct FoldNorm {
-  const float* x;      // the residual rows (fp32 [8][K]); `act` is not read
-  const bf16* weight;  // the norm's weight [K]
-  uint4* stage;        // shared memory: each lane's pieces of x and the weight ([K / 256] x 3 x kThreads x 16 B)
-  float* part;         // shared memory: kWarps x 8 partial sums of squares
-  float eps;
-};
-
-// kSplit (NC_SPLITK, NT = 2): one tile's two halves of K as the two "tiles" (w_tile = {w, w + K / 2}, the rows K
-// apart), each with its half of the activation row: twice the loads in flight per pass, half the passes; the
-// caller adds out[0] and out[1].
-template <int NT, bool kFold = false, bool kSplit = false>
+template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
-                          const bf16* act, int act_stride, int batch, float* red, float* out,
-                          const FoldNorm* fold = nullptr) {
+                          const bf16* act, int act_stride, int batch, float* red, float* out) {
   // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
   // 220 bytes at 255 registers: day 3)
   constexpr int U = 4;
-  static_assert(!kSplit || (NT == 2 && !kFold), "split K: two halves of one tile");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int nchunk = kSplit ? K / 64 : K / 32;
+  const int nchunk = K / 32;
   const bf16* w_lo[NT];
   const bf16* w_hi[NT];
 #pragma unroll
@@ -475,30 +412,12 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
   }
   const bool has_row = g < batch;
   const bf16* a_row = act + (size_t)g * act_stride + 8 * t;
-#if NC_PIN_ACT  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): the row's address held in registers, so the
-  // compiler cannot re-derive it from the kernel parameter (an LDC of the constant bank) in every pass of the loop
-  // below; does a constant-cache miss there cost the slow builds' one-tile products a round trip a pass?
-  asm volatile("" : "+l"(a_row));
-#endif
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  float sq = 0.f;  // kFold: this lane's sum of bf16(x)^2 over its pieces of row g
-  if constexpr (kFold) {  // the lane's own pieces of x's row g and of the norm weight, all in flight with the first
-    // pass's weights, into the lane's own slots (no barrier: its own wait); in registers they spilled 136-240 B
-    for (int c = warp; c < nchunk; c += kWarps) {
-      uint4* slot = fold->stage + (size_t)(c / kWarps) * 3 * kThreads + threadIdx.x;
-      if (has_row) {
-        cp_async16(slot, fold->x + (size_t)g * K + c * 32 + 8 * t);
-        cp_async16(slot + kThreads, fold->x + (size_t)g * K + c * 32 + 8 * t + 4);
-      }
-      cp_async16(slot + 2 * kThreads, fold->weight + c * 32 + 8 * t);
-    }
-    asm volatile("cp.async.commit_group;");
-  }
 
   for (int c0 = warp; c0 < nchunk; c0 += kWarps * U) {
-    uint4 wa[NT][U], wb[NT][U], xa[U], xb[kSplit ? U : 1];  // xb: kSplit's second half of the activation
+    uint4 wa[NT][U], wb[NT][U], xa[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + kWarps * u;
@@ -508,52 +427,29 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
           wb[n][u] = load_weight16(w_hi[n] + c * 32);
         }
-        if constexpr (!kFold) xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
-        if constexpr (kSplit) xb[u] = has_row ? load_act16(a_row + K / 2 + c * 32) : make_uint4(0, 0, 0, 0);
+        xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
       }
     }
-    if constexpr (kFold) asm volatile("cp.async.wait_group 0;" ::: "memory");  // the lane's x and weight pieces
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c0 + kWarps * u < nchunk) {
-        if constexpr (kFold) {
-          const uint4* slot = fold->stage + (size_t)((c0 + kWarps * u) / kWarps) * 3 * kThreads + threadIdx.x;
-          const uint4 zero = make_uint4(0, 0, 0, 0);
-          xa[u] = fold_piece(has_row ? slot[0] : zero, has_row ? slot[kThreads] : zero, slot[2 * kThreads], sq);
-        }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          const uint4& xv = kSplit && n == 1 ? xb[kSplit ? u : 0] : xa[u];
           asm volatile(
               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
               "{%0,%1,%2,%3};"
               : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
-              : "r"(wa[n][u].x), "r"(wb[n][u].x), "r"(wa[n][u].y), "r"(wb[n][u].y), "r"(xv.x), "r"(xv.y));
+              : "r"(wa[n][u].x), "r"(wb[n][u].x), "r"(wa[n][u].y), "r"(wb[n][u].y), "r"(xa[u].x), "r"(xa[u].y));
           asm volatile(
               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
               "{%0,%1,%2,%3};"
               : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
-              : "r"(wa[n][u].z), "r"(wb[n][u].z), "r"(wa[n][u].w), "r"(wb[n][u].w), "r"(xv.z), "r"(xv.w));
+              : "r"(wa[n][u].z), "r"(wb[n][u].z), "r"(wa[n][u].w), "r"(wb[n][u].w), "r"(xa[u].z), "r"(xa[u].w));
         }
       }
     }
   }
-  if constexpr (kFold) {  // row g's sum of squares: the 4 lanes of the row, then (after reduce_warps' first barrier)
-    sq += __shfl_xor_sync(0xffffffffu, sq, 1);  // the warps
-    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-    if (t == 0) fold->part[warp * 8 + g] = sq;  // the last reader of `part` (the previous tile) passed a barrier
-  }
   reduce_warps<NT>(acc, red, out);
-  if constexpr (kFold) {
-    for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
-      const int b = i & 7;
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) total += fold->part[w * 8 + b];
-      out[i] *= 1.0f / sqrtf(total / K + fold->eps);
-    }
-    __syncthreads();
-  }
 }
 
 // Shared-memory regions of the product (both fit any task's layout: they are used alone).
@@ -677,51 +573,23 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
                               : layer_ptr(p, layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
 }
 
-// fold: null, the product of NORM's h; else the norm folded into it (NC_LOCAL_NORM)
-template <bool kFold>
-__device__ void qkv_products(const Params& p, const Task& t, unsigned char* smem, const FoldNorm* fold) {
+__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int end = t.arg[0] + t.arg[1];
   for (int tile = t.arg[0]; tile < end; tile += 2) {  // two tiles per product when the task has them
     if (tile + 1 < end) {
       const bf16* tiles[2] = {qkv_weight_tile(p, t.layer, tile), qkv_weight_tile(p, t.layer, tile + 1)};
       const int valid[2] = {16, 16};
-      mma_tiles<2, kFold>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, fold);
+      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
-      mma_tiles<1, kFold>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, fold);
+      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     }
   }
-}
-
-#if NC_LOCAL_NORM
-__device__ FoldNorm fold_norm(const Params& p, int layer, unsigned char* smem) {
-  static_assert(sizeof(GemmSmem::best) >= kWarps * 8 * sizeof(float), "FoldNorm.part in GemmSmem.best");
-  static_assert(NC_RMS_NORM, "the local norm folds RMSNorm only (LayerNorm's mean does not fold into the product)");
-  return FoldNorm{p.x, layer_ptr(p, layer, LP_NORM), reinterpret_cast<uint4*>(smem + kMoeRingOffset),
-                  reinterpret_cast<float*>(reinterpret_cast<GemmSmem*>(smem)->best), p.norm_eps};
-}
-#endif
-
-__device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
-#if NC_LOCAL_NORM
-  if (t.arg[3]) {
-    const FoldNorm fold = fold_norm(p, t.layer, smem);
-    qkv_products<true>(p, t, smem, &fold);
-    signal_counter(p, t.arg[4]);  // x is read: the MoE down tasks wait for this before adding into it
-    return;
-  }
-#endif
-  qkv_products<false>(p, t, smem, nullptr);
-#if NC_OPROJ_EARLY == 1  // the QKV task's share of o_proj: its tiles' share of the layer's QKV tiles
-  constexpr int kTiles = (kQSize + 2 * kKvSize) / 16;
-  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile)
-    prefetch_oproj_share(layer_ptr(p, t.layer, LP_O), tile, kTiles, (size_t)kHidden * kQSize * 2);
-#endif
 }
 
 // ====  6. Task: ATTN  ==========================================================================
@@ -941,10 +809,6 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
     p.attn_ml[(base * kGroup + threadIdx.x) * 2] = s.m[threadIdx.x];
     p.attn_ml[(base * kGroup + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
   }
-#if NC_OPROJ_EARLY == 2  // the ATTN task's share of o_proj: its index among the layer's batch x heads x splits tasks
-  prefetch_oproj_share(layer_ptr(p, t.layer, LP_O), (b * kKvHeads + kvh) * t.arg[3] + split,
-                       p.batch_size * kKvHeads * t.arg[3], (size_t)kHidden * kQSize * 2);
-#endif
 }
 
 // ====  7. Task: COMBINE  =======================================================================
@@ -996,67 +860,31 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
 //   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
 //   branch adds into the same rows).
 __device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
-#if NC_SPLITK  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): K's halves in flight together (mma_tiles kSplit)
-  const bf16* w = layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize;
-  const bf16* tiles[2] = {w, w + kQSize / 2};
-  const int valid[2] = {16, 16};
-  mma_tiles<2, false, true>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
-  const int i = threadIdx.x, r = i >> 3, b = i & 7;
-  if (i < 128 && b < p.batch_size)
-    atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i] + s.out[128 + i]));
-#else
   const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
   const int valid[1] = {16};
   mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
   const int i = threadIdx.x, r = i >> 3, b = i & 7;
   if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
-#endif
 }
 
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
-#if NC_OPROJ_PAD  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): N zero-length sleeps ahead of the tiles move
-  // the o_proj code (and what follows it) by N instructions; does the tiles' speed follow the code's placement?
-#pragma unroll
-  for (int k = 0; k < NC_OPROJ_PAD; ++k) __nanosleep(0);
-#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) oproj_tile(p, t.layer, tile, *reinterpret_cast<GemmSmem*>(smem));
 }
 
 // ====  9. Task: ROUTER  ========================================================================
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
-template <bool kFold>
-__device__ void router_products(const Params& p, const Task& t, unsigned char* smem, const FoldNorm* fold) {
+__device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
-#if NC_SPLITK >= 2  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): K's halves in flight together
-    static_assert(!kFold, "NC_SPLITK=2 does not fold the local norm");
-    const bf16* w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden;
-    const bf16* tiles[2] = {w, w + kHidden / 2};
-    const int valid[2] = {min(16, kExperts - tile * 16), min(16, kExperts - tile * 16)};
-    mma_tiles<2, false, true>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
-    const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
-    if (i < 128) s.out[i] += s.out[128 + i];  // read back by the same thread below
-#else
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-    mma_tiles<1, kFold>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, fold);
+    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
-#endif
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
       if (p.trace_router) p.trace_router[((size_t)t.layer * kMaxBatch + b) * kExperts + e] = bf16_round(s.out[i]);
     }
   }
-}
-
-__device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
-#if NC_LOCAL_NORM
-  if (t.arg[2]) {
-    const FoldNorm fold = fold_norm(p, t.layer, smem);
-    return router_products<true>(p, t, smem, &fold);
-  }
-#endif
-  router_products<false>(p, t, smem, nullptr);
 }
 
 // ====  10. Task: TOPK  =========================================================================
@@ -1337,9 +1165,6 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
 __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const MoeStream st = moe_stream(p, t, smem, false);
-#if NC_LOCAL_NORM  // the QKV tasks that read x themselves have read it (the weights' first steps are in flight)
-  if (t.arg[3] > 0) wait_counter(p, t.arg[2], t.arg[3]);
-#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   uint4 xa[kDownSteps];
   float weight = 0.f;
@@ -1620,12 +1445,7 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     w = R < kQSize ? layer_ptr(p, t.layer, LP_Q) + (size_t)R * kHidden
       : R < kQSize + kKvSize ? layer_ptr(p, t.layer, LP_K) + (size_t)(R - kQSize) * kHidden
                              : layer_ptr(p, t.layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
-#if NC_QKV_PREFETCH_ALL  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): every tile of the task (build_schedule's
-    // tasks never straddle q/k/v: tasks.qkv_task_count), not only the first
-    bytes = (size_t)t.arg[1] * 16 * kHidden * 2;
-#else
     bytes = (size_t)16 * kHidden * 2;  // the first tile (a task's tiles can straddle q/k/v)
-#endif
   } else if (t.type == TASK_ROUTER) {
     w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)t.arg[0] * 16 * kHidden;
     bytes = (size_t)min(t.arg[1] * 16, kExperts - t.arg[0] * 16) * kHidden * 2;
@@ -1666,21 +1486,8 @@ __device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* s
 }
 #endif
 
-#if NC_PARAMS_SMEM  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): every block copies the parameters into shared
-// memory once and the tasks read them there (LDS) instead of from the constant bank (LDC), whose cache may lose
-// lines to the ~240 KB of code (the constant-cache hypothesis in docs/performance.md: a miss is an L2 round trip)
-__global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params params) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(16) Params shared_params;
-  static_assert(sizeof(Params) % 4 == 0, "the parameters are copied in 4-byte words");
-  for (int i = threadIdx.x; i < (int)(sizeof(Params) / 4); i += kThreads)
-    reinterpret_cast<int*>(&shared_params)[i] = reinterpret_cast<const int*>(&params)[i];
-  __syncthreads();
-  const Params& p = shared_params;
-#else
 __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
-#endif
   __shared__ int aborted;  // one thread reads the status, so that the whole block takes the same branch
 #if NC_LEAN_FUSED
   __shared__ __align__(16) Task task[2];  // this task's record and the next one's
@@ -1760,10 +1567,6 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
 constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
-#if NC_LOCAL_NORM
-static_assert(kMoeRingOffset + (kHidden / 32 + kWarps - 1) / kWarps * 3 * kThreads * 16 <= kBaseSmemBytes,
-              "FoldNorm.stage: in every launch's shared memory");
-#endif
 
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";

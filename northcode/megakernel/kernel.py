@@ -106,9 +106,7 @@ def find_nvcc() -> str:
 
 
 # compile-time knobs for experiments (the .cu's defaults otherwise; docs/performance.md says what each tests)
-TUNING_DEFINES = ("NC_MOE_STAGES", "NC_OPROJ_PAD", "NC_PIN_ACT", "NC_PARAMS_SMEM", "NC_STREAM_PATTERN", "NC_OPROJ_EARLY",
-                  "NC_MOE_EVICT_FIRST", "NC_KV_EVICT_FIRST", "NC_WEIGHT_EVICT_FIRST",
-                  "NC_SPLITK", "NC_QKV_PREFETCH_ALL")
+TUNING_DEFINES = ("NC_MOE_STAGES", "NC_STREAM_PATTERN", "NC_MOE_EVICT_FIRST", "NC_KV_EVICT_FIRST")
 
 
 def tuning_defines() -> dict[str, int]:

@@ -191,19 +191,13 @@ class _WaveMaker:
 
 
 def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
-                     num_splits: int, combine_mode: str = "plain", local: tuple = ()) -> tuple[list, tuple]:
+                     num_splits: int, combine_mode: str = "plain") -> tuple[list, tuple[int, int]]:
     """One layer's QKV, ATTN, COMBINE (placed as combine_mode says) and OPROJ waves; also allocates the layer's
-    MLP counter (returned with the o_proj counter: (oproj_done, mlp_done, x_read)), in the counters' reference
-    order. local: the previous layer's (counter, target) pairs, where QKV normalises the residual itself (QKV arg3
-    = 1, the kernel's NC_LOCAL_NORM build) and waits for them instead of the norm; o_proj then also waits for the
-    norm (its adds into the residual must follow the norm's rounding of it), and x_read is the (counter, target)
-    that says every QKV task has read the residual (QKV arg4), which the MLP's adds into it wait for; else None."""
+    MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order."""
     batch, kvh = m.batch, m.kvh
     qkv_done = counters.alloc(kvh)
-    x_read = (counters.alloc(), len(m.qkv_tile)) if local else None
-    qkv_args = ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer))) + ((1, x_read[0]) if local else ())
-    qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), qkv_args, local or ((norm_done, batch),),
-                 (qkv_done, m.qkv_group))
+    qkv_args = ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer)))
+    qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), qkv_args, ((norm_done, batch),), (qkv_done, m.qkv_group))
     attn_done = counters.alloc(batch * kvh)
     combine_done, oproj_done, mlp_done = counters.alloc(), counters.alloc(), counters.alloc()
     b, g, s, head, group_tasks = m.attention(num_splits)
@@ -212,21 +206,19 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
     combine = m.wave(combine_mode, TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
                      (((attn_done, m.heads), num_splits),), combine_done)
     oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, ((0, m.arange(m.oproj_tiles)), 1),
-                   ((combine_done, batch * kvh),) + (((norm_done, batch),) if local else ()), oproj_done)
-    return [qkv, attn, combine, oproj], (oproj_done, mlp_done, x_read)
+                   ((combine_done, batch * kvh),), oproj_done)
+    return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
 
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
                  order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False,
-                 moe_fused: bool = False, local_norm: bool = False) -> tuple[list, tuple]:
-    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on.
-    local_norm: after layer 0, QKV and the router normalise the residual themselves (_attention_waves)."""
+                 moe_fused: bool = False) -> tuple[list, tuple]:
+    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on."""
     norm_done = counters.alloc()
     norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
     apart = combine_blocks_apart(c, m.batch, num_blocks, combine_apart and not c.is_dense(layer))
-    local = previous if local_norm else ()  # layer 0's norm embeds the tokens: never local
-    (qkv, attn, combine, oproj), (oproj_done, mlp_done, x_read) = _attention_waves(
-        c, layer, m, counters, norm_done, num_splits, "last" if apart else "plain", local)
+    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits,
+                                                                           "last" if apart else "plain")
     oproj_tiles = oproj.n
     if c.is_dense(layer):
         up_done = counters.alloc()
@@ -234,19 +226,16 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
         up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, ((0, m.arange(up_tiles)), 1), ((norm_done, m.batch),),
                     up_done)
         down = m.wave("plain", TaskType.DENSE_DOWN, layer, down_tiles, ((0, m.arange(down_tiles)), 1),
-                      ((up_done, up_tiles),) + ((x_read,) if x_read else ()), mlp_done)
+                      ((up_done, up_tiles),), mlp_done)
         return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
     router_tiles = math.ceil(c.num_experts / 16)
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
-    # local: the router normalises the residual itself (arg2 = 1); the MoE tasks, which read the norm's h and add
-    # into the residual, then wait for the norm too
-    router_args = ((0, m.arange(router_tiles)), 1) + ((1,) if local else ())
-    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args, local or ((norm_done, m.batch),),
-                    router_done)
-    moe_waits = ((topk_done, 1),) + (((norm_done, m.batch),) if local else ())
+    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)), 1),
+                    ((norm_done, m.batch),), router_done)
+    moe_waits = ((topk_done, 1),)
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
     # arg0: the last blocks that take no up tile (combine_apart); arg1: the first "slot done" counter; arg2: the
     # counter up tiles are claimed from (up_claims), or -1: static round-robin shares; arg3: 1 when the block's
@@ -256,7 +245,7 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
         up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim, 1), moe_waits, mlp_done)
         return [norm, router, topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
     up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim), moe_waits)
-    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done) + (x_read or ()), moe_waits, mlp_done)
+    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), moe_waits, mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
@@ -310,8 +299,7 @@ def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> i
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                   up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
-                   local_norm: bool = False) -> Schedule:
+                   up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
@@ -319,19 +307,17 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     COMBINE_APART_MAX's placement. up_claims: blocks claim MoE up tiles from a per-layer counter. moe_fused: each
     block's up and down shares in one task, after COMBINE (the order is then fixed; the kernel's NC_LEAN_FUSED build
     only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
-    (one_round_q_tiles). local_norm: QKV and the router normalise the residual themselves after layer 0 (the
-    kernel's NC_LOCAL_NORM build only). Waves are _WaveSpecs placed in one go by place_waves' rule: about 10 ms for
+    (one_round_q_tiles). Waves are _WaveSpecs placed in one go by place_waves' rule: about 10 ms for
     North Mini Code (make_task and place_waves per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
-    assert not (moe_fused and local_norm), "two kernel builds: the fused MoE task has no wait for the QKV readers of x"
     q_tiles = one_round_q_tiles(config, num_blocks, qkv_tiles) if qkv_one_round else qkv_tiles
     c, m, counters = config, _WaveMaker(config, batch, qkv_tiles, q_tiles), _Counters()
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
         layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             combine_apart, up_claims, moe_fused, local_norm)
+                                             combine_apart, up_claims, moe_fused)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))

@@ -23,8 +23,8 @@ DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT
 @dataclass(frozen=True, slots=True)
 class Variant:
     """How one decode step is run: Params.flags, the attention ring's stages, build_schedule's options, and
-    (lean_fused, local_norm) the kernel's build. Variants share the default's build where they can (run 4: a
-    second kernel's code generation cost more than its ideas gained); these two cannot: as run-time flags the
+    (lean_fused) the kernel's build. Variants share the default's build where they can (run 4: a
+    second kernel's code generation cost more than its ideas gained); lean-fused cannot: as run-time flags the
     lean dispatch slowed the default by 7% (docs/performance.md, day 3 session 2), so a variant's code that the
     default does not run is compiled only into the variant's build (build_defines)."""
 
@@ -35,19 +35,16 @@ class Variant:
     combine_apart: bool = True  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
     lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; a block's MoE up and down shares in one task
-    local_norm: bool = False  # the NC_LOCAL_NORM build: QKV and the router normalise the residual themselves
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
 
     def schedule_options(self) -> dict:
         """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
         return dict(order=self.wave_order, qkv_tiles=self.qkv_tiles, combine_apart=self.combine_apart,
-                    up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round,
-                    local_norm=self.local_norm)
+                    up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round)
 
     def build_defines(self) -> dict[str, int]:
         """The -D defines of the kernel build this variant runs on (empty: the default's build)."""
-        return {name: 1 for name, wanted in (("NC_LEAN_FUSED", self.lean_fused), ("NC_LOCAL_NORM", self.local_norm))
-                if wanted}
+        return {"NC_LEAN_FUSED": 1} if self.lean_fused else {}
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -58,7 +55,6 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
-    "local-norm": Variant(local_norm=True),  # its own build, NORM kept (runs 18-19's form without it: +9%); not yet run
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),

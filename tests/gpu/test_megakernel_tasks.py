@@ -129,34 +129,6 @@ def check_qkv(geometry: str, layer: int, h: torch.Tensor) -> None:
         assert rel_err(cache.v_pool[page, pos % 64], v[b]) < REL_TOL
 
 
-def test_local_norm_qkv_and_router(geometry: str) -> None:
-    """The local-norm build (variant local-norm): QKV tasks with arg3 set and ROUTER tasks with arg2 set fold the
-    norm of the residual x into their products, with no NORM task before them: their q, K/V and router logits
-    match the reference on norm(bf16(x)) (within the bf16 tolerance: the fold rounds once less), h is not read
-    and x is not written (NORM, which still runs, rounds it). arg4 = -1: no "x read" counter to count."""
-    from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
-    from northcode.model.model import norm
-
-    if not VARIANTS[variant_from_env()].local_norm:
-        pytest.skip("the default's build has no local norm: NC_VARIANT=local-norm runs this")
-    config, weights, model, cache, kernel = env(geometry)
-    layer = 1
-    x = torch.randn(8, config.hidden_size, device="cuda") * 3
-    kernel.x.copy_(x)
-    kernel.h.fill_(float("nan"))  # must not be read
-    tiles = (config.q_size + 2 * config.kv_size) // 16
-    router_tiles = -(-config.num_experts // 16)
-    kernel.q.zero_()
-    kernel.router_logits.zero_()
-    run(kernel, [[make_task(TaskType.QKV, layer, (t, min(2, tiles - t), int(config.uses_rope(layer)), 1, -1))
-                  for t in range(0, tiles, 2)],
-                 [make_task(TaskType.ROUTER, layer, (t, 1, 1)) for t in range(router_tiles)]])
-    assert torch.equal(kernel.x, x), "the local norm wrote the residual"
-    h = norm(x.to(torch.bfloat16), model.layers[layer].input_norm, config)
-    check_qkv(geometry, layer, h)
-    assert rel_err(kernel.router_logits, F.linear(h, model.layers[layer].router).float()) < REL_TOL
-
-
 @pytest.mark.parametrize("ring", ["variant", "one-stage", "largest"])
 @pytest.mark.parametrize("layer,splits", [(1, 3), (4, 1), (4, 4), (1, 32), (4, 32)])  # 32: NC_MAX_SPLITS
 def test_split_attention_and_combine(geometry: str, layer: int, splits: int, ring: str) -> None:
