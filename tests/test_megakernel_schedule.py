@@ -150,7 +150,8 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
 
 def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
                      qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, combine_apart: bool,
-                     up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None) -> tuple:
+                     up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None,
+                     attention_blocks: int = 0) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
@@ -194,11 +195,15 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
     apart = batch * kvh if combine_apart and batch * kvh <= 8 and 2 * batch * kvh <= num_blocks else 0
     if apart:
         combine = ("last", combine)
+    tail = min(attention_blocks, num_blocks // 2)
+    if tail:
+        attn = ("tail", tail, attn)
+    no_up = max(apart, tail)
     if moe_fused:
-        waves += [attn, combine, ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim, 1),
+        waves += [attn, combine, ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim, 1),
                                                     ((topk_done, 1),), mlp_done)), oproj]
         return (oproj_done, len(oproj)), (mlp_done, num_blocks)
-    up = ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim), ((topk_done, 1),)))
+    up = ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim), ((topk_done, 1),)))
     down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
     waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
               "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
@@ -207,12 +212,13 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
 
 def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                               order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                              up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None) -> Schedule:
+                              up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None,
+                              attention_blocks: int = 0) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
         previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves,
-                                    combine_apart, up_claims, moe_fused, q_tiles)
+                                    combine_apart, up_claims, moe_fused, q_tiles, attention_blocks)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -244,13 +250,16 @@ def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code", "north-mini-code-5"])
 @pytest.mark.parametrize("order", WAVE_ORDERS + ("attention-first combine-apart", "attention-first combine-apart claims",
                                                  "attention-first combine-apart claims fused",
-                                                 "attention-first combine-apart claims one-round"))
+                                                 "attention-first combine-apart claims one-round",
+                                                 "attention-first combine-apart claims attention-5",
+                                                 "attention-first combine-apart claims attention-48"))
 def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
     """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
     contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
     order, *options = order.split()
     apart, claims, fused = "combine-apart" in options, "claims" in options, "fused" in options
     one_round = "one-round" in options
+    attention_blocks = next((int(o.split("-")[1]) for o in options if o.startswith("attention-")), 0)
     config = _preset(preset)
     seen = set()
     for batch in (1, 2, 3, 8):
@@ -264,9 +273,9 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
                     where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
                     q_tiles = one_round_q_tiles(config, blocks, qkv_tiles) if one_round else None
                     _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims, fused,
-                                                one_round),
+                                                one_round, attention_blocks),
                                  _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, apart, claims,
-                                                           fused, q_tiles), where)
+                                                           fused, q_tiles, attention_blocks), where)
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:

@@ -86,7 +86,8 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
     wave puts one copy on every block (the drains); an ("apart", tasks) wave is placed like a plain one, and
     the next plain wave skips the blocks it used while other blocks remain (the router's and top-k's blocks
     get no QKV tile: the MoE chain runs through them); a ("last", tasks) wave puts its n tasks on the last n
-    blocks, in order, and moves no cursor (combine_apart)."""
+    blocks, in order, and moves no cursor (combine_apart); a ("tail", m, tasks) wave puts task i on block
+    num_blocks - m + i % m and moves no cursor (attention_blocks)."""
     lists: list[list[list[int]]] = [[] for _ in range(num_blocks)]
     cursor, avoid = 0, set()
     for wave in waves:
@@ -98,6 +99,12 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
             assert len(wave[1]) <= num_blocks
             for i, task in enumerate(wave[1]):
                 lists[num_blocks - len(wave[1]) + i].append(task)
+            continue
+        if isinstance(wave, tuple) and wave[0] == "tail":
+            m = wave[1]
+            assert 1 <= m <= num_blocks
+            for i, task in enumerate(wave[2]):
+                lists[num_blocks - m + i % m].append(task)
             continue
         apart = isinstance(wave, tuple)
         tasks = wave[1] if apart else wave
@@ -131,7 +138,8 @@ def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: 
 class _WaveSpec(NamedTuple):
     """One wave for build_schedule: n tasks, task i = row + pattern[i]."""
 
-    mode: str  # "plain" | "apart" | "each" | "last": place_waves' wave kinds ("each": n is 1, one copy per block)
+    mode: str  # "plain" | "apart" | "each" | "last" | "tail:m": place_waves' wave kinds ("each": n is 1, one copy per
+    # block; "tail:m": round-robin over the last m blocks)
     row: list[int]  # make_task record: the fixed fields, and the offsets of the varying ones
     n: int
     pattern: torch.Tensor  # int32 [n, 16], zero but in the varying fields; shared, e.g. by every layer's QKV wave
@@ -191,9 +199,10 @@ class _WaveMaker:
 
 
 def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
-                     num_splits: int, combine_mode: str = "plain") -> tuple[list, tuple[int, int]]:
-    """One layer's QKV, ATTN, COMBINE (placed as combine_mode says) and OPROJ waves; also allocates the layer's
-    MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters' reference order."""
+                     num_splits: int, combine_mode: str = "plain", attn_mode: str = "plain") -> tuple[list, tuple[int, int]]:
+    """One layer's QKV, ATTN (placed as attn_mode says), COMBINE (as combine_mode says) and OPROJ waves; also
+    allocates the layer's MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters'
+    reference order."""
     batch, kvh = m.batch, m.kvh
     qkv_done = counters.alloc(kvh)
     qkv_args = ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer)))
@@ -201,7 +210,7 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
     attn_done = counters.alloc(batch * kvh)
     combine_done, oproj_done, mlp_done = counters.alloc(), counters.alloc(), counters.alloc()
     b, g, s, head, group_tasks = m.attention(num_splits)
-    attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, c.window(layer) or 0),
+    attn = m.wave(attn_mode, TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, c.window(layer) or 0),
                   (((qkv_done, g), (0, group_tasks)),), (attn_done, head))
     combine = m.wave(combine_mode, TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
                      (((attn_done, m.heads), num_splits),), combine_done)
@@ -212,13 +221,17 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
                  order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False,
-                 moe_fused: bool = False) -> tuple[list, tuple]:
-    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on."""
+                 moe_fused: bool = False, attention_blocks: int = 0) -> tuple[list, tuple]:
+    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on.
+    attention_blocks: a sparse layer's ATTN tasks on the last that many blocks, which take no MoE up tile."""
     norm_done = counters.alloc()
     norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
     apart = combine_blocks_apart(c, m.batch, num_blocks, combine_apart and not c.is_dense(layer))
-    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(c, layer, m, counters, norm_done, num_splits,
-                                                                           "last" if apart else "plain")
+    attn_blocks = 0 if c.is_dense(layer) else min(attention_blocks, num_blocks // 2)  # half the blocks stream up tiles
+    (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(
+        c, layer, m, counters, norm_done, num_splits, "last" if apart else "plain",
+        f"tail:{attn_blocks}" if attn_blocks else "plain")
+    no_up = max(apart, attn_blocks)  # the last blocks that take no up tile
     oproj_tiles = oproj.n
     if c.is_dense(layer):
         up_done = counters.alloc()
@@ -237,14 +250,14 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
                     ((norm_done, m.batch),), router_done)
     moe_waits = ((topk_done, 1),)
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
-    # arg0: the last blocks that take no up tile (combine_apart); arg1: the first "slot done" counter; arg2: the
+    # arg0: the last blocks that take no up tile (combine_apart, attention_blocks); arg1: the first "slot done" counter; arg2: the
     # counter up tiles are claimed from (up_claims), or -1: static round-robin shares; arg3: 1 when the block's
     # down share follows in the same task (moe_fused, for the kernel's NC_LEAN_FUSED build: one task boundary
     # less; COMBINE then goes before it)
     if moe_fused:
-        up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim, 1), moe_waits, mlp_done)
+        up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim, 1), moe_waits, mlp_done)
         return [norm, router, topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
-    up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim), moe_waits)
+    up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim), moe_waits)
     down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), moe_waits, mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
@@ -299,7 +312,8 @@ def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> i
 
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                   up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False) -> Schedule:
+                   up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
+                   attention_blocks: int = 0) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
@@ -307,8 +321,10 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     COMBINE_APART_MAX's placement. up_claims: blocks claim MoE up tiles from a per-layer counter. moe_fused: each
     block's up and down shares in one task, after COMBINE (the order is then fixed; the kernel's NC_LEAN_FUSED build
     only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
-    (one_round_q_tiles). Waves are _WaveSpecs placed in one go by place_waves' rule: about 10 ms for
-    North Mini Code (make_task and place_waves per task took 0.1-0.2 s, a stall for every new batch size).
+    (one_round_q_tiles). attention_blocks (0: off): a sparse layer's attention splits only on the last that many
+    blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. Waves are
+    _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and place_waves
+    per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
     q_tiles = one_round_q_tiles(config, num_blocks, qkv_tiles) if qkv_one_round else qkv_tiles
@@ -317,7 +333,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
         layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             combine_apart, up_claims, moe_fused)
+                                             combine_apart, up_claims, moe_fused, attention_blocks)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))
@@ -338,13 +354,20 @@ def _wave_tables(waves: list, num_blocks: int) -> tuple[list[int], list[int], li
     where the table's m_w entries from start_w are the blocks the wave may use, in order (all blocks, or
     all but those the "apart" waves since the last plain one used). An "each" wave has num_blocks copies,
     copy i on block i, and moves no cursor; a "last" wave of n tasks puts task i on block num_blocks - n + i
-    and moves no cursor either. Returns the flat table and first, m, start per wave."""
+    and moves no cursor either; a "tail:m" wave's table is the last m blocks (no cursor moved). Returns the flat
+    table and first, m, start per wave."""
     every, all_blocks = list(range(num_blocks)), set(range(num_blocks))
     table, firsts, moduli, starts = list(every), [], [], []
     cursor, avoid = 0, set()
     for mode, _, n, _ in waves:  # _WaveSpec
         if mode in ("each", "last"):
             firsts.append(0 if mode == "each" else num_blocks - n), moduli.append(num_blocks), starts.append(0)
+            continue
+        if mode.startswith("tail:"):
+            m = int(mode[5:])
+            assert 1 <= m <= num_blocks, mode
+            firsts.append(0), moduli.append(m), starts.append(len(table))
+            table += range(num_blocks - m, num_blocks)
             continue
         skip = avoid if len(avoid) < num_blocks else set()
         allowed = sorted(all_blocks - skip) if skip else every

@@ -36,11 +36,13 @@ class Variant:
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
     lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; a block's MoE up and down shares in one task
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
+    attention_blocks: int = 0  # a sparse layer's attention on the last that many blocks, which take no MoE up tile
 
     def schedule_options(self) -> dict:
         """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
         return dict(order=self.wave_order, qkv_tiles=self.qkv_tiles, combine_apart=self.combine_apart,
-                    up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round)
+                    up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round,
+                    attention_blocks=self.attention_blocks)
 
     def build_defines(self) -> dict[str, int]:
         """The -D defines of the kernel build this variant runs on (empty: the default's build)."""
@@ -55,6 +57,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
+    **{f"attention-{n}": Variant(attention_blocks=n) for n in (32, 48, 64, 96)},  # day 3 session 3
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),
