@@ -72,10 +72,12 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
         assert max(max(t[8], t[9], t[12]) for t in tasks) < schedule.num_counters
 
 
-def test_splits_cover_the_sms_but_never_exceed_pages() -> None:
+def test_splits_cover_half_the_sms_but_never_exceed_pages() -> None:
     config = preset_config("north-mini-code")
-    assert attention_splits(config, 1, 132, 8192)[0] == 32
-    assert attention_splits(config, 8, 132, 8192)[0] == 4  # 128 tasks: one round on 132 SMs
+    assert attention_splits(config, 1, 132, 8192)[0] == 16  # 64 tasks: half the 132 SMs
+    assert attention_splits(config, 8, 132, 8192)[0] == 2
+    assert attention_splits(config, 1, 132, 8192, max_splits=4)[0] == 4  # a variant's cap
+    assert attention_splits(config, 1, 528, 8192)[0] == 32  # never past the kernel's MAX_SPLITS
     assert max(attention_splits(config, 1, 132, 10)) == 2
 
 

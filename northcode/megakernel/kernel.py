@@ -348,7 +348,7 @@ class Megakernel:
         """The (cached) task lists for this batch size and longest context; a new one goes up through pinned
         memory without a sync (a longer context's first step does not stall the pipelined engine)."""
         v = self.variant
-        splits = attention_splits(self.config, batch, self.num_blocks, context)
+        splits = attention_splits(self.config, batch, self.num_blocks, context, v.max_splits)
         key = (batch, splits, v)
         if key not in self._schedules:
             s = build_schedule(self.config, batch, self.num_blocks, splits, **v.schedule_options())

@@ -120,12 +120,15 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
     return lists
 
 
-def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int) -> tuple[int, ...]:
-    """KV splits per layer: as many (row, head, split) tasks as fit on the SMs in one round (a second round
-    would double the attention phase for a few blocks), and for short contexts about as many as pages,
+def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int,
+                     max_splits: int = MAX_SPLITS) -> tuple[int, ...]:
+    """KV splits per layer: as many (row, head, split) tasks as fit on half the SMs (run 59: against one round
+    on all of them, -2.2/-2.4/-2.8/-1.9% at batch 1/2/4/8: the other half streams the MoE experts sooner and
+    the combine merges fewer partials; a quarter was slower), and for short contexts about as many as pages,
     rounded up to a power of two: the task lists are cached per split tuple (about 10 ms of Python and an
-    upload each), so a context that grows by a page must not ask for new ones (empty splits cost nothing)."""
-    wanted = min(MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
+    upload each), so a context that grows by a page must not ask for new ones (empty splits cost nothing).
+    max_splits: a variant's cap (at most MAX_SPLITS, the kernel's)."""
+    wanted = min(max_splits, MAX_SPLITS, max(1, num_blocks // (2 * batch * config.num_key_value_heads)))
     splits = []
     for layer in range(config.num_hidden_layers):
         window = config.window(layer)

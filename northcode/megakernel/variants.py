@@ -37,6 +37,7 @@ class Variant:
     lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; a block's MoE up and down shares in one task
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
     attention_blocks: int = 0  # a sparse layer's attention on the last that many blocks, which take no MoE up tile
+    max_splits: int = 32  # KV splits per (row, head) at most (tasks.attention_splits; 32 is the kernel's MAX_SPLITS)
 
     def schedule_options(self) -> dict:
         """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
@@ -57,7 +58,8 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
-    **{f"attention-{n}": Variant(attention_blocks=n) for n in (32, 48, 64, 96)},  # day 3 session 3
+    **{f"attention-{n}": Variant(attention_blocks=n) for n in (32, 48, 64, 96)},  # day 3 session 3: +3 to +28%
+    **{f"splits-{n}": Variant(max_splits=n) for n in (2, 4, 8, 16)},  # day 3 session 3 (run 59: half the SMs' worth)
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),
