@@ -1017,7 +1017,15 @@ struct MoeStream {  // one lane's view of a task's weight stream: tile i of the 
   int* claimed;   // up claims (MOE_UP arg2 >= 0), else null: shared memory, the block's i-th tile at [i & 7]
   int lookahead;  // claims: tiles claimed ahead of the one being multiplied (the ring reaches that far)
   int total;      // tiles of the layer
+#if NC_MOE_COOP
+  int warp_steps;  // steps of a tile that have a chunk for this warp (steps is the block's: every warp joins each)
+#endif
 };
+#if NC_MOE_COOP
+__device__ __forceinline__ int moe_warp_steps(const MoeStream& st) { return st.warp_steps; }
+#else
+__device__ __forceinline__ int moe_warp_steps(const MoeStream& st) { return st.steps; }
+#endif
 constexpr int kClaimRing = kMoeStages + 2 <= 8 ? 8 : 16;  // a power of two
 static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts and the claims share GemmSmem.best");
 
@@ -1041,6 +1049,64 @@ __device__ __forceinline__ void moe_tile_rows(const MoeStream& st, int tile, con
   }
 }
 
+#if NC_MOE_COOP  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): the block copies each step together
+// Step q of a tile (chunks 8j .. 8j + 7, j = q % steps: 256 k of all 32 rows, 16 KB) goes into ring slot q %
+// kMoeStages as rows of 512 B (A's 16 rows, then B's), each warp copy one row's 512 contiguous bytes (the lane-
+// private form copies 8 rows x 64 B: moe_stream_bench's NC_STREAM_PATTERN read 8 points more of the bandwidth
+// contiguously); the 16-B column u of row r sits at u ^ 4 (r & 1), so that a quarter warp's fragment reads (rows
+// g, g + 1) and a copy's writes meet no bank twice. Every warp's fragments are the lane-private form's, bit for bit.
+__device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
+  const int tile = st.steps > 0 ? moe_tile_of(st, q / st.steps) : -1;
+  if (tile >= 0) {
+    const int K = st.kind == STREAM_UP ? kHidden : kExpertWidth, j = q % st.steps;
+    const bf16 *wa, *wb;
+    moe_tile_rows(st, tile, wa, wb);
+    unsigned char* slot = reinterpret_cast<unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // copy r of warp w: row w + 8 (r & 1) of A (r < 2) or B
+      const int piece = threadIdx.x + kThreads * r, row = (piece >> 5) & 15, u = piece & 31;
+      if (j * 8 + (u >> 2) < K / 32)
+        NC_MOE_COPY(slot + ((piece >> 9) * 16 + row) * 512 + ((u ^ ((row & 1) << 2)) << 4),
+                    (piece >> 9 ? wb : wa) + (size_t)row * K + j * 256 + u * 8);
+    }
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+// Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the activation
+// fragments in xa). Per step: the step's copies done (this thread's, then a barrier for the others'), the step
+// kMoeStages - 1 ahead issued into the slot every warp has just left, then the warp's chunk read from the slot.
+template <int kSteps>
+__device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, const uint4 (&xa)[kSteps], float (&acc)[2][4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int col = ((warp * 4 + t) ^ ((g & 1) << 2)) << 4;  // rows g and g + 8 have the same swizzle
+#pragma unroll
+  for (int n = 0; n < 2; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    if (j < st.steps) {
+      const int q = i * st.steps + j;
+      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 2) : "memory");
+      __syncthreads();
+      moe_issue(st, q + kMoeStages - 1);
+      if (j < st.warp_steps) {
+        const unsigned char* slot = reinterpret_cast<const unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384 + col;
+        const uint4 a_lo = *reinterpret_cast<const uint4*>(slot + g * 512);
+        const uint4 a_hi = *reinterpret_cast<const uint4*>(slot + (g + 8) * 512);
+        const uint4 b_lo = *reinterpret_cast<const uint4*>(slot + (g + 16) * 512);
+        const uint4 b_hi = *reinterpret_cast<const uint4*>(slot + (g + 24) * 512);
+        mma_piece(acc[0], a_lo, a_hi, xa[j]);
+        mma_piece(acc[1], b_lo, b_hi, xa[j]);
+      }
+    }
+  }
+}
+
+// Issues the stream's first kMoeStages - 1 steps (before any wait where the weights are already known).
+__device__ __forceinline__ void stream_prologue(const MoeStream& st) {
+  for (int q = 0; q < kMoeStages - 1; ++q) moe_issue(st, q);
+}
+#else
 // Issues step q of the lane's stream into ring slot q % kMoeStages (nothing past the end) and commits a group.
 __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
   const int tile = st.steps > 0 ? moe_tile_of(st, q / st.steps) : -1;
@@ -1091,6 +1157,7 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
 __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
   for (int q = 0; q < kMoeStages; ++q) moe_issue(st, q);
 }
+#endif
 
 __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
   const int warp = threadIdx.x >> 5, nchunk = (up ? kHidden : kExpertWidth) / 32;
@@ -1114,6 +1181,10 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
                reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * kUpTilesPerSlot};
   static_assert(kMoeStages + 2 <= kClaimRing, "claims: tiles i .. i + lookahead (<= kMoeStages + 1) fit the ring");
+#if NC_MOE_COOP  // the block's steps: every warp joins each step's barrier, with a chunk or without
+  st.warp_steps = st.steps;
+  st.steps = (nchunk + kWarps - 1) / kWarps;
+#endif
   if (claims) {
     st.claimed = experts + kExperts;
   } else if (up) {  // round-robin over all but the last t.arg[0] blocks (they run the combine: combine_apart)
@@ -1136,7 +1207,7 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   uint4 xa[kUpSteps];  // this lane's pieces of h row g at its warp's chunks (the same for every tile)
 #pragma unroll
   for (int j = 0; j < kUpSteps; ++j)
-    xa[j] = g < p.batch_size && j < st.steps ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq)
+    xa[j] = g < p.batch_size && j < moe_warp_steps(st) ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq)
                                              : make_uint4(0, 0, 0, 0);
   for (int i = 0;; ++i) {
     const int tile = moe_tile_of(st, i);
@@ -1176,7 +1247,7 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
       const bf16* act = p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth;
 #pragma unroll
       for (int j = 0; j < kDownSteps; ++j)
-        xa[j] = g < p.batch_size && j < st.steps ? load_act16(act + (size_t)g * kExpertWidth + (warp + kWarps * j) * 32 + 8 * tq)
+        xa[j] = g < p.batch_size && j < moe_warp_steps(st) ? load_act16(act + (size_t)g * kExpertWidth + (warp + kWarps * j) * 32 + 8 * tq)
                                                  : make_uint4(0, 0, 0, 0);
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
       loaded = slot;
