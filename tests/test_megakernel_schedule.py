@@ -72,10 +72,13 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
         assert max(max(t[8], t[9], t[12]) for t in tasks) < schedule.num_counters
 
 
-def test_splits_cover_half_the_sms_but_never_exceed_pages() -> None:
+def test_splits_cover_half_the_sms_up_to_8k_but_never_exceed_pages() -> None:
     config = preset_config("north-mini-code")
-    assert attention_splits(config, 1, 132, 8192)[0] == 16  # 64 tasks: half the 132 SMs
-    assert attention_splits(config, 8, 132, 8192)[0] == 2
+    full = next(layer for layer in range(config.num_hidden_layers) if not config.window(layer))
+    assert attention_splits(config, 1, 132, 8192)[full] == 16  # 64 tasks: half the 132 SMs
+    assert attention_splits(config, 8, 132, 8192)[full] == 2
+    assert attention_splits(config, 1, 132, 32768)[full] == 32  # a longer span: all of them
+    assert set(attention_splits(config, 1, 132, 32768)) == {16, 32}  # the sliding layers' spans stay short
     assert attention_splits(config, 1, 132, 8192, max_splits=4)[0] == 4  # a variant's cap
     assert attention_splits(config, 1, 528, 8192)[0] == 32  # never past the kernel's MAX_SPLITS
     assert max(attention_splits(config, 1, 132, 10)) == 2

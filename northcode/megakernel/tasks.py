@@ -23,6 +23,7 @@ import torch
 from northcode.config import ModelConfig
 
 MAX_SPLITS = 32  # NC_MAX_SPLITS: attention splits per (row, KV head)
+HALF_SM_SPLIT_TOKENS = 8192 + 64  # a layer's span up to which its attention splits fill half the SMs (8K measured)
 PAGE_SIZE = 64
 TASK_WORDS = 16
 # Where a sparse layer's MoE drains sit relative to attention and its tail (COMBINE, OPROJ) in every list:
@@ -122,18 +123,21 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
 
 def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int,
                      max_splits: int = MAX_SPLITS) -> tuple[int, ...]:
-    """KV splits per layer: as many (row, head, split) tasks as fit on half the SMs (run 59: against one round
-    on all of them, -2.2/-2.4/-2.8/-1.9% at batch 1/2/4/8: the other half streams the MoE experts sooner and
-    the combine merges fewer partials; a quarter was slower), and for short contexts about as many as pages,
-    rounded up to a power of two: the task lists are cached per split tuple (about 10 ms of Python and an
-    upload each), so a context that grows by a page must not ask for new ones (empty splits cost nothing).
-    max_splits: a variant's cap (at most MAX_SPLITS, the kernel's)."""
-    wanted = min(max_splits, MAX_SPLITS, max(1, num_blocks // (2 * batch * config.num_key_value_heads)))
+    """KV splits per layer: as many (row, head, split) tasks as fit on the SMs in one round, on half of them for
+    a layer whose span is at most HALF_SM_SPLIT_TOKENS (run 59, at 8K: -2.2/-2.4/-2.8/-1.9% at batch 1/2/4/8
+    against all of them: the other half streams the MoE experts sooner and the combine merges fewer partials; a
+    quarter was slower; longer spans, where attention's bytes grow, keep all the SMs: not measured), and for short
+    contexts about as many as pages, rounded up to a power of two: the task lists are cached per split tuple
+    (about 10 ms of Python and an upload each), so a context that grows by a page must not ask for new ones
+    (empty splits cost nothing). max_splits: a variant's cap (at most MAX_SPLITS, the kernel's)."""
+    all_sms = min(max_splits, MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
+    half_sms = min(max_splits, MAX_SPLITS, max(1, num_blocks // (2 * batch * config.num_key_value_heads)))
     splits = []
     for layer in range(config.num_hidden_layers):
         window = config.window(layer)
         tokens = min(context + 1, window) if window else context + 1
         pages = math.ceil(tokens / PAGE_SIZE) + 1
+        wanted = half_sms if tokens <= HALF_SM_SPLIT_TOKENS else all_sms
         splits.append(max(1, min(wanted, 1 << (pages - 1).bit_length())))
     return tuple(splits)
 
