@@ -1049,6 +1049,27 @@ __device__ __forceinline__ void moe_tile_rows(const MoeStream& st, int tile, con
   }
 }
 
+#if NC_MOE_L2_AHEAD  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): when tile i starts, tile i + 1's two
+// matrices (2 x 16 rows x K, contiguous: 128 KB up, 48 KB down) go into L2 in line order, as the LM head's prefetch
+// does (that phase reads ~90% of the read bandwidth with the same fragment loads); the ring then reads L2. Tile
+// i + 1 is known then: static shares, or the claim written after tile i - 1's product (lookahead >= 2).
+__device__ __forceinline__ void moe_prefetch_tile(const MoeStream& st, int i) {
+  const int tile = moe_tile_of(st, i);
+  if (tile < 0) return;
+  const int K = st.kind == STREAM_UP ? kHidden : kExpertWidth;
+  const bf16 *wa, *wb;
+  moe_tile_rows(st, tile, wa, wb);
+  for (int off = threadIdx.x * 128; off < 16 * K * 2; off += kThreads * 128) {
+    prefetch_l2(reinterpret_cast<const char*>(wa) + off);
+    prefetch_l2(reinterpret_cast<const char*>(wb) + off);
+  }
+}
+#define NC_MOE_AHEAD(st, i, j) \
+  if ((j) == 0) moe_prefetch_tile(st, (i) + 1);
+#else
+#define NC_MOE_AHEAD(st, i, j)
+#endif
+
 #if NC_MOE_COOP  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): the block copies each step together
 // Step q of a tile (chunks 8j .. 8j + 7, j = q % steps: 256 k of all 32 rows, 16 KB) goes into ring slot q %
 // kMoeStages as rows of 512 B (A's 16 rows, then B's), each warp copy one row's 512 contiguous bytes (the lane-
@@ -1086,6 +1107,7 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
   for (int j = 0; j < kSteps; ++j) {
     if (j < st.steps) {
       const int q = i * st.steps + j;
+      NC_MOE_AHEAD(st, i, j)
       asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 2) : "memory");
       __syncthreads();
       moe_issue(st, q + kMoeStages - 1);
@@ -1143,6 +1165,7 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
   for (int j = 0; j < kSteps; ++j) {
     if (j < st.steps) {
       const int q = i * st.steps + j;
+      NC_MOE_AHEAD(st, i, j)
       asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
       const uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
       const uint4 a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];

@@ -106,7 +106,8 @@ def find_nvcc() -> str:
 
 
 # compile-time knobs for experiments (the .cu's defaults otherwise; docs/performance.md says what each tests)
-TUNING_DEFINES = ("NC_MOE_STAGES", "NC_STREAM_PATTERN", "NC_MOE_EVICT_FIRST", "NC_KV_EVICT_FIRST", "NC_MOE_COOP")
+TUNING_DEFINES = ("NC_MOE_STAGES", "NC_STREAM_PATTERN", "NC_MOE_EVICT_FIRST", "NC_KV_EVICT_FIRST", "NC_MOE_COOP",
+                  "NC_MOE_L2_AHEAD")
 
 
 def tuning_defines() -> dict[str, int]:
