@@ -156,10 +156,13 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
 def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
                      qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, combine_apart: bool,
                      up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None,
-                     attention_blocks: int = 0) -> tuple:
+                     attention_blocks: int = 0, router_fold: bool = False) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
+    fold = router_fold and bool(previous) and not c.is_dense(layer)
+    router_tiles = math.ceil(c.num_experts / 16)
+    router_done = counters.alloc() if fold else -1
     norm_done = counters.alloc()
     waves.append([make_task(TaskType.NORM, layer, (b,), previous, norm_done) for b in range(batch)])
     qkv_done = counters.alloc(kvh)
@@ -181,7 +184,8 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
                       attn_done + b * kvh + g) for b in range(batch) for s in range(num_splits) for g in range(kvh)]
     combine = [make_task(TaskType.COMBINE, layer, (b, g, num_splits), ((attn_done + b * kvh + g, num_splits),),
                          combine_done) for b in range(batch) for g in range(kvh)]
-    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),), oproj_done)
+    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),)
+                       + (((router_done, router_tiles),) if fold else ()), oproj_done)
              for t in range(c.hidden_size // 16)]
     if c.is_dense(layer):
         up_done = counters.alloc()
@@ -190,12 +194,14 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
         waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),), mlp_done)
                          for t in range(down_tiles)], combine, oproj]
         return (oproj_done, len(oproj)), (mlp_done, down_tiles)
-    router_done, topk_done = counters.alloc(), counters.alloc()
+    router_done = router_done if fold else counters.alloc()
+    topk_done = counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
-    router_tiles = math.ceil(c.num_experts / 16)
-    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),),
-                                                     router_done) for t in range(router_tiles)]),
+    moe_waits = ((topk_done, 1),) + (((norm_done, batch),) if fold else ())
+    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1) + ((1,) if fold else ()),
+                                                     previous if fold else ((norm_done, batch),), router_done)
+                                           for t in range(router_tiles)]),
                                 ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),), topk_done)])]
     apart = batch * kvh if combine_apart and batch * kvh <= 8 and 2 * batch * kvh <= num_blocks else 0
     if apart:
@@ -206,10 +212,10 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
     no_up = max(apart, tail)
     if moe_fused:
         waves += [attn, combine, ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim, 1),
-                                                    ((topk_done, 1),), mlp_done)), oproj]
+                                                    moe_waits, mlp_done)), oproj]
         return (oproj_done, len(oproj)), (mlp_done, num_blocks)
-    up = ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim), ((topk_done, 1),)))
-    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), ((topk_done, 1),), mlp_done))
+    up = ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim), moe_waits))
+    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), moe_waits, mlp_done))
     waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
               "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return (oproj_done, len(oproj)), (mlp_done, num_blocks)
@@ -218,12 +224,12 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
 def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                               order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
                               up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None,
-                              attention_blocks: int = 0) -> Schedule:
+                              attention_blocks: int = 0, router_fold: bool = False) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
         previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves,
-                                    combine_apart, up_claims, moe_fused, q_tiles, attention_blocks)
+                                    combine_apart, up_claims, moe_fused, q_tiles, attention_blocks, router_fold)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -257,7 +263,9 @@ def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
                                                  "attention-first combine-apart claims fused",
                                                  "attention-first combine-apart claims one-round",
                                                  "attention-first combine-apart claims attention-5",
-                                                 "attention-first combine-apart claims attention-48"))
+                                                 "attention-first combine-apart claims attention-48",
+                                                 "attention-first combine-apart claims router-fold",
+                                                 "oproj-before-down combine-apart claims router-fold"))
 def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
     """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
     contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
@@ -265,6 +273,7 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
     apart, claims, fused = "combine-apart" in options, "claims" in options, "fused" in options
     one_round = "one-round" in options
     attention_blocks = next((int(o.split("-")[1]) for o in options if o.startswith("attention-")), 0)
+    router_fold = "router-fold" in options
     config = _preset(preset)
     seen = set()
     for batch in (1, 2, 3, 8):
@@ -278,9 +287,58 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
                     where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
                     q_tiles = one_round_q_tiles(config, blocks, qkv_tiles) if one_round else None
                     _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims, fused,
-                                                one_round, attention_blocks),
+                                                one_round, attention_blocks, router_fold),
                                  _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, apart, claims,
-                                                           fused, q_tiles, attention_blocks), where)
+                                                           fused, q_tiles, attention_blocks, router_fold), where)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "north-mini-code-5"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_router_fold_orders_the_residual(preset: str, batch: int) -> None:
+    """router_fold: after layer 0 a sparse layer's routers fold the norm (arg2 = 1) and wait for the previous layer,
+    not for NORM; the MoE tasks, which read NORM's h, wait for NORM; and every task that adds into the residual the
+    routers read (o_proj, MoE down) waits, directly or through others, for all of the layer's routers."""
+    config = _preset(preset)
+    schedule = build_schedule(config, batch, 132, attention_splits(config, batch, 132, 300),
+                              **VARIANTS["router-fold"].schedule_options())
+    tasks = schedule.tasks.tolist()
+    signallers: dict[int, list[int]] = {}
+    for i, t in enumerate(tasks):
+        if t[12] >= 0:
+            signallers.setdefault(t[12], []).append(i)
+
+    def waits_for(i: int, counter: int, target: int) -> bool:
+        """Task i waits, itself or through the tasks it waits for, until `counter` reaches `target`."""
+        seen, todo = set(), [i]
+        while todo:
+            t = tasks[todo.pop()]
+            for wait, want in ((t[8], t[10]), (t[9], t[11])):
+                if wait == counter and want >= target:
+                    return True
+                if wait >= 0 and wait not in seen:
+                    seen.add(wait)
+                    todo += signallers.get(wait, [])
+        return False
+
+    norm = {t[1]: t[12] for t in tasks if t[0] == TaskType.NORM}
+    routers: dict[int, list] = {}
+    for t in tasks:
+        if t[0] == TaskType.ROUTER:
+            routers.setdefault(t[1], []).append(t)
+    checked = 0
+    for i, t in enumerate(tasks):
+        layer, kind = t[1], TaskType(t[0])
+        if not 1 <= layer < config.num_hidden_layers or layer not in routers:
+            continue
+        if kind == TaskType.ROUTER:
+            assert t[4] == 1 and norm[layer] not in (t[8], t[9]), f"router of layer {layer}: {t}"
+        if kind in (TaskType.MOE_UP, TaskType.MOE_DOWN):
+            assert waits_for(i, norm[layer], batch), f"{kind.name} of layer {layer} may read h before its norm"
+        if kind in (TaskType.OPROJ, TaskType.MOE_DOWN):
+            done = routers[layer][0][12]
+            assert waits_for(i, done, len(routers[layer])), f"{kind.name} of layer {layer} may add before a router read x"
+            checked += 1
+    assert checked > 0
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:

@@ -82,7 +82,7 @@ enum TaskType : int {
   TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles, arg2 norm folded in (NC_ROUTER_FOLD): router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
   TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
   TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
@@ -105,6 +105,14 @@ enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_F
 // a tile (3.26 -> 3.49 ms a step at B = 1) with no instruction of theirs changed; see docs/performance.md.
 #ifndef NC_LEAN_FUSED
 #define NC_LEAN_FUSED 0
+#endif
+// NC_ROUTER_FOLD (compile time, the `router-fold` variant's build; 0: the default): a ROUTER task whose arg2 is set
+// reads the residual x and folds the layer's RMSNorm into its product (mma_tiles<1, true>) instead of reading
+// NORM's h, so it waits for the previous layer, not for NORM: the MoE chain (router -> top-k -> up) starts one
+// task hop (~3.5 us at B = 1) earlier. QKV still reads NORM's h (day 3's local norm for QKV too lost 8-11%: the
+// QKV tasks' L2 prefetch had filled NORM's window); tasks.build_schedule(router_fold=True).
+#ifndef NC_ROUTER_FOLD
+#define NC_ROUTER_FOLD 0
 #endif
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
@@ -394,9 +402,41 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
-template <int NT>
+// 8 residual values (fp32, two 16-B pieces) and their norm weights -> the bf16 activation piece bf16(w * bf16(x));
+// adds bf16(x)^2 to sq.
+__device__ __forceinline__ uint4 fold_piece(const uint4& lo, const uint4& hi, const uint4& w, float& sq) {
+  const float4 a = *reinterpret_cast<const float4*>(&lo), b = *reinterpret_cast<const float4*>(&hi);
+  const float v[8] = {bf16_round(a.x), bf16_round(a.y), bf16_round(a.z), bf16_round(a.w),
+                      bf16_round(b.x), bf16_round(b.y), bf16_round(b.z), bf16_round(b.w)};
+  const unsigned wr[4] = {w.x, w.y, w.z, w.w};
+  unsigned packed[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wr[i]));
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(wf.x * v[2 * i], wf.y * v[2 * i + 1]);
+    packed[i] = *reinterpret_cast<const unsigned*>(&pair);
+    sq += v[2 * i] * v[2 * i] + v[2 * i + 1] * v[2 * i + 1];
+  }
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// mma_tiles<NT, true> (NC_ROUTER_FOLD's router): the activation row is the residual x, normalised on the way: the
+// product runs on bf16(w * bf16(x)) (w the norm's weight) and each batch column of out is scaled by 1 / rms(bf16(x))
+// at the end (RMSNorm only; task_norm's h = bf16(w * bf16(bf16(x) / rms)) rounds once more: a bf16 step, not a bit
+// match). x's and the weight's pieces go by cp.async into the lane's own shared-memory slots, in flight with the
+// first pass's weight loads (in registers they spilled 136-240 B).
+struct FoldNorm {
+  const float* x;      // the residual rows (fp32 [8][K]); `act` is not read
+  const bf16* weight;  // the norm's weight [K]
+  uint4* stage;        // shared memory: each lane's pieces of x and the weight ([K / 256] x 3 x kThreads x 16 B)
+  float* part;         // shared memory: kWarps x 8 partial sums of squares
+  float eps;
+};
+
+template <int NT, bool kFold = false>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
-                          const bf16* act, int act_stride, int batch, float* red, float* out) {
+                          const bf16* act, int act_stride, int batch, float* red, float* out,
+                          const FoldNorm* fold = nullptr) {
   // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
   // 220 bytes at 255 registers: day 3)
   constexpr int U = 4;
@@ -415,6 +455,18 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float sq = 0.f;  // kFold: this lane's sum of bf16(x)^2 over its pieces of row g
+  if constexpr (kFold) {
+    for (int c = warp; c < nchunk; c += kWarps) {
+      uint4* slot = fold->stage + (size_t)(c / kWarps) * 3 * kThreads + threadIdx.x;
+      if (has_row) {
+        cp_async16(slot, fold->x + (size_t)g * K + c * 32 + 8 * t);
+        cp_async16(slot + kThreads, fold->x + (size_t)g * K + c * 32 + 8 * t + 4);
+      }
+      cp_async16(slot + 2 * kThreads, fold->weight + c * 32 + 8 * t);
+    }
+    asm volatile("cp.async.commit_group;");
+  }
 
   for (int c0 = warp; c0 < nchunk; c0 += kWarps * U) {
     uint4 wa[NT][U], wb[NT][U], xa[U];
@@ -427,12 +479,18 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
           wb[n][u] = load_weight16(w_hi[n] + c * 32);
         }
-        xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+        if constexpr (!kFold) xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
       }
     }
+    if constexpr (kFold) asm volatile("cp.async.wait_group 0;" ::: "memory");  // the lane's x and weight pieces
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c0 + kWarps * u < nchunk) {
+        if constexpr (kFold) {
+          const uint4* slot = fold->stage + (size_t)((c0 + kWarps * u) / kWarps) * 3 * kThreads + threadIdx.x;
+          const uint4 zero = make_uint4(0, 0, 0, 0);
+          xa[u] = fold_piece(has_row ? slot[0] : zero, has_row ? slot[kThreads] : zero, slot[2 * kThreads], sq);
+        }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           asm volatile(
@@ -449,7 +507,22 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
       }
     }
   }
+  if constexpr (kFold) {  // row g's sum of squares over the row's 4 lanes; over the warps after reduce_warps' barrier
+    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+    if (t == 0) fold->part[warp * 8 + g] = sq;  // the last reader of `part` (the previous tile) passed a barrier
+  }
   reduce_warps<NT>(acc, red, out);
+  if constexpr (kFold) {
+    for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
+      const int b = i & 7;
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += fold->part[w * 8 + b];
+      out[i] *= 1.0f / sqrtf(total / K + fold->eps);
+    }
+    __syncthreads();
+  }
 }
 
 // Shared-memory regions of the product (both fit any task's layout: they are used alone).
@@ -875,10 +948,21 @@ __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) 
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+#if NC_ROUTER_FOLD
+  static_assert(NC_RMS_NORM, "the router's fold: RMSNorm only (LayerNorm's mean does not fold into the product)");
+  static_assert(sizeof(GemmSmem::best) >= kWarps * 8 * sizeof(float), "FoldNorm.part in GemmSmem.best");
+  const FoldNorm fold{p.x, layer_ptr(p, t.layer, LP_NORM), reinterpret_cast<uint4*>(smem + kMoeRingOffset),
+                      reinterpret_cast<float*>(s.best), p.norm_eps};
+#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+#if NC_ROUTER_FOLD
+    if (t.arg[2])
+      mma_tiles<1, true>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, &fold);
+    else
+#endif
+      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
@@ -1112,7 +1196,8 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
       __syncthreads();
       moe_issue(st, q + kMoeStages - 1);
       if (j < st.warp_steps) {
-        const unsigned char* slot = reinterpret_cast<const unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384 + col;
+        const unsigned char* slot =
+            reinterpret_cast<const unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384 + col;
         const uint4 a_lo = *reinterpret_cast<const uint4*>(slot + g * 512);
         const uint4 a_hi = *reinterpret_cast<const uint4*>(slot + (g + 8) * 512);
         const uint4 b_lo = *reinterpret_cast<const uint4*>(slot + (g + 16) * 512);
@@ -1141,7 +1226,8 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
     uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
 #if NC_STREAM_PATTERN  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING; moe_stream_bench only: the products are
     // wrong): step j of the tile reads 8 KB of each matrix contiguously (a warp's copy: 512 B in a row) instead of
-    // rows g, g+8 at the warp's chunks (8 pieces of 64 B, 2 KB apart per copy): does the access pattern bound the stream?
+    // rows g, g+8 at the warp's chunks (8 pieces of 64 B, 2 KB apart per copy): does the access pattern bound the
+    // stream?
     (void)c;
     const size_t lo = (size_t)(q % st.steps) * 4096 + 8 * threadIdx.x, hi = lo + 2048;
 #else
@@ -1230,8 +1316,9 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   uint4 xa[kUpSteps];  // this lane's pieces of h row g at its warp's chunks (the same for every tile)
 #pragma unroll
   for (int j = 0; j < kUpSteps; ++j)
-    xa[j] = g < p.batch_size && j < moe_warp_steps(st) ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq)
-                                             : make_uint4(0, 0, 0, 0);
+    xa[j] = g < p.batch_size && j < moe_warp_steps(st)
+                ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq)
+                : make_uint4(0, 0, 0, 0);
   for (int i = 0;; ++i) {
     const int tile = moe_tile_of(st, i);
     if (tile < 0) break;
@@ -1270,8 +1357,9 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
       const bf16* act = p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth;
 #pragma unroll
       for (int j = 0; j < kDownSteps; ++j)
-        xa[j] = g < p.batch_size && j < moe_warp_steps(st) ? load_act16(act + (size_t)g * kExpertWidth + (warp + kWarps * j) * 32 + 8 * tq)
-                                                 : make_uint4(0, 0, 0, 0);
+        xa[j] = g < p.batch_size && j < moe_warp_steps(st)
+                    ? load_act16(act + (size_t)g * kExpertWidth + (warp + kWarps * j) * 32 + 8 * tq)
+                    : make_uint4(0, 0, 0, 0);
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
       loaded = slot;
     }
@@ -1661,6 +1749,10 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
 constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
+#if NC_ROUTER_FOLD
+static_assert(kMoeRingOffset + (kHidden / 32 + kWarps - 1) / kWarps * 3 * kThreads * 16 <= kBaseSmemBytes,
+              "FoldNorm.stage: in every launch's shared memory");
+#endif
 
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";

@@ -229,6 +229,27 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     assert rel_err(kernel.x - x, ref) < 2 * REL_TOL
 
 
+def test_router_fold_normalises_the_residual_itself(geometry: str) -> None:
+    """The router-fold build (variant router-fold): ROUTER tasks with arg2 set fold the layer's norm of the residual
+    x into their product, with no NORM task before them: their logits match the reference router on norm(bf16(x))
+    (within the bf16 tolerance: the fold rounds once less than NORM's h), h is not read and x is not written."""
+    from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
+    from northcode.model.model import norm
+
+    if not VARIANTS[variant_from_env()].router_fold:
+        pytest.skip("the default's build has no router fold: NC_VARIANT=router-fold runs this")
+    config, weights, model, cache, kernel = env(geometry)
+    layer = next(i for i in range(1, config.num_hidden_layers) if not config.is_dense(i))
+    x = torch.randn(8, config.hidden_size, device="cuda") * 3
+    kernel.x.copy_(x)
+    kernel.h.fill_(float("nan"))  # must not be read
+    kernel.router_logits.zero_()
+    run(kernel, [[make_task(TaskType.ROUTER, layer, (t, 1, 1)) for t in range(-(-config.num_experts // 16))]])
+    assert torch.equal(kernel.x, x), "the router's fold wrote the residual"
+    h = norm(x.to(torch.bfloat16), model.layers[layer].input_norm, config)
+    assert rel_err(kernel.router_logits, F.linear(h, model.layers[layer].router).float()) < REL_TOL
+
+
 def test_dense_mlp(geometry: str) -> None:
     from northcode.megakernel.kernel import TaskType, make_task
     from northcode.model.model import swiglu
