@@ -62,7 +62,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
     **{f"attention-{n}": Variant(attention_blocks=n) for n in (32, 48, 64, 96)},  # day 3 session 3: +3 to +28%
     "router-fold": Variant(router_fold=True),  # its own build; day 3 session 3, not yet run
-    **{f"splits-{n}": Variant(max_splits=n) for n in (2, 4, 8, 16)},  # day 3 session 3 (run 59: half the SMs' worth)
+    **{f"splits-{n}": Variant(max_splits=n) for n in (2, 4, 8, 16)},  # caps; run 59 made half the SMs the default
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),
     "no-kv-preload": Variant(flags=DEFAULT_FLAGS | FLAG_NO_KV_PRELOAD),
