@@ -20,10 +20,10 @@ def _nvcc_or_skip() -> str:
         pytest.skip(str(err))
 
 
-@pytest.mark.parametrize("build", ["default", "lean-fused", "router-fold"])
+@pytest.mark.parametrize("build", ["default", "lean-fused", "router-fold", "topk-local", "fold-topk-local"])
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
 def test_compiles_for_sm90a_without_spills(preset: str, build: str, tmp_path) -> None:
-    """Every build a variant runs on (Variant.build_defines): the default's, lean-fused's and router-fold's."""
+    """Every build a variant runs on (Variant.build_defines)."""
     from northcode.megakernel.variants import VARIANTS
 
     _nvcc_or_skip()

@@ -84,8 +84,10 @@ enum TaskType : int {
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
   TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles, arg2 norm folded in (NC_ROUTER_FOLD): router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
-  TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
-  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
+  TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs);
+                        // arg4 local top-k (NC_TOPK_LOCAL)
+  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range); arg2 local
+                        // top-k (NC_TOPK_LOCAL)
   TASK_DENSE_UP = 10,   // arg0 first tile, arg1 tiles: silu(gate) * up
   TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
   TASK_LM_HEAD = 12,    // arg0 first 32-row tile, arg1 tiles, arg2 task index: logits + partial argmaxes
@@ -113,6 +115,14 @@ enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_F
 // QKV tasks' L2 prefetch had filled NORM's window); tasks.build_schedule(router_fold=True).
 #ifndef NC_ROUTER_FOLD
 #define NC_ROUTER_FOLD 0
+#endif
+// NC_TOPK_LOCAL (compile time, the `topk-local` variant's build; 0: the default): a MOE_UP task whose arg4 is set,
+// and a MOE_DOWN task whose arg2 is set, select the layer's experts themselves from the router logits (local_topk:
+// task_topk's selection and slot numbering, into the block's shared memory) instead of waiting for a TOPK task and
+// reading its slots: the layer's TOPK task (one block, ~5 us at B = 1) and its hop leave the MoE chain, which sets
+// when the up phase starts once attention holds only half the SMs; tasks.build_schedule(topk_local=True).
+#ifndef NC_TOPK_LOCAL
+#define NC_TOPK_LOCAL 0
 #endif
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
@@ -1030,12 +1040,13 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
 
 // The distinct experts get slots in ascending id order: one thread per expert, a ballot per warp and the
 // warps' counts before it give the slot (no serial pass over the experts: run 21's loops took ~6 us at B=1).
-__device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
-  TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
+// Thread e: whether expert e is routed (by any row), its slot, and the number of slots; s holds each row's k
+// experts and weights.
+__device__ __forceinline__ bool topk_slots(const Params& p, int layer, TopkSmem& s, int& slot, int& total) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = threadIdx.x;
   if (e < kExperts) s.used[e] = 0;
   __syncthreads();
-  if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
+  if (warp < p.batch_size) topk_row(p, layer, warp, s);
   __syncthreads();
   if (e < p.batch_size * kTopK) s.used[s.expert[e / kTopK][e % kTopK]] = 1;
   __syncthreads();
@@ -1043,12 +1054,19 @@ __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
   const unsigned ballot = __ballot_sync(0xffffffffu, used);
   if (lane == 0) s.warp_count[warp] = __popc(ballot);
   __syncthreads();
-  int slot = __popc(ballot & ((1u << lane) - 1u)), total = 0;
+  slot = __popc(ballot & ((1u << lane) - 1u)), total = 0;
   for (int w = 0; w < kWarps; ++w) {
     slot += w < warp ? s.warp_count[w] : 0;
     total += s.warp_count[w];
   }
-  if (used) {
+  return used;
+}
+
+__device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
+  TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
+  const int e = threadIdx.x;
+  int slot, total;
+  if (topk_slots(p, t.layer, s, slot, total)) {
     p.moe_slots[1 + slot] = e;
     for (int b = 0; b < kMaxBatch; ++b) {
       float w = 0.f;
@@ -1268,9 +1286,53 @@ __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
 }
 #endif
 
+#if NC_TOPK_LOCAL
+// Each row's k experts and weights, kept for a MoE task's whole run (after the ring: the products' memory is reused).
+struct RouteTable {
+  int expert[kMaxBatch][kTopK];
+  float weight[kMaxBatch][kTopK];
+};
+__device__ __forceinline__ RouteTable* route_table(unsigned char* smem) {
+  return reinterpret_cast<RouteTable*>(smem + kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16);
+}
+
+// The layer's top-k in this block, from the router logits: the slots' experts into experts[0, slots) and the rows'
+// choices into routes; returns the number of slots. Block 0 counts the layer's experts for the byte count (every
+// block's topk_row writes the same p.routed). Its TopkSmem is the products' memory (free before the first tile).
+__device__ int local_topk(const Params& p, int layer, unsigned char* smem, int* experts, RouteTable* routes) {
+  static_assert(sizeof(TopkSmem) <= offsetof(GemmSmem, best), "local top-k: its memory is not the experts' list");
+  TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
+  int slot, total;
+  if (topk_slots(p, layer, s, slot, total)) experts[slot] = threadIdx.x;
+  if (threadIdx.x < kMaxBatch * kTopK) {
+    const int b = threadIdx.x / kTopK, k = threadIdx.x % kTopK;
+    routes->expert[b][k] = b < p.batch_size ? s.expert[b][k] : -1;
+    routes->weight[b][k] = b < p.batch_size ? s.weight[b][k] : 0.f;
+  }
+  if (threadIdx.x == 0 && blockIdx.x == 0) p.expert_counts[layer] = total;
+  __syncthreads();
+  return total;
+}
+
+// Row b's routing weight of expert e (0 when the row did not choose it).
+__device__ __forceinline__ float routed_weight(const RouteTable* routes, int e, int b) {
+  float w = 0.f;
+#pragma unroll
+  for (int k = 0; k < kTopK; ++k)
+    if (routes->expert[b][k] == e) w = routes->weight[b][k];
+  return w;
+}
+#endif
+
 __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
   const int warp = threadIdx.x >> 5, nchunk = (up ? kHidden : kExpertWidth) / 32;
+#if NC_TOPK_LOCAL
+  const bool local = (up ? t.arg[4] : t.arg[2]) != 0;
+  int slots = local ? 0 : __ldcg(p.moe_slots);
+  const int blocks = p.num_blocks;
+#else
   const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks;
+#endif
   const int rank = blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
   // claims (MOE_UP arg2 >= 0): the block's first `lookahead` tiles from the layer's counter, the atomic in flight
@@ -1280,6 +1342,11 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   unsigned claim_base = 0;
   if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + t.arg[2], (unsigned)lookahead);
   __syncthreads();  // the previous user of this memory is done
+#if NC_TOPK_LOCAL
+  if (local)
+    slots = local_topk(p, t.layer, smem, experts, route_table(smem));
+  else
+#endif
   for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
   if (claims && threadIdx.x == 0) {
     const int total = slots * kUpTilesPerSlot, base = claimer ? (int)claim_base : total;
@@ -1360,6 +1427,11 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
         xa[j] = g < p.batch_size && j < moe_warp_steps(st)
                     ? load_act16(act + (size_t)g * kExpertWidth + (warp + kWarps * j) * 32 + 8 * tq)
                     : make_uint4(0, 0, 0, 0);
+#if NC_TOPK_LOCAL
+      if (t.arg[2])
+        weight = (threadIdx.x & 7) < p.batch_size ? routed_weight(route_table(smem), st.experts[slot], threadIdx.x & 7) : 0.f;
+      else
+#endif
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
       loaded = slot;
     }
@@ -1747,7 +1819,12 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 
 // Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
-constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
+#if NC_TOPK_LOCAL
+constexpr size_t kMoeTaskSmemBytes = kMoeSmemBytes + sizeof(RouteTable);  // the rows' choices after the ring
+#else
+constexpr size_t kMoeTaskSmemBytes = kMoeSmemBytes;
+#endif
+constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeTaskSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
 #if NC_ROUTER_FOLD
 static_assert(kMoeRingOffset + (kHidden / 32 + kWarps - 1) / kWarps * 3 * kThreads * 16 <= kBaseSmemBytes,

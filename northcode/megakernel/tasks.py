@@ -230,12 +230,15 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
                  order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False,
-                 moe_fused: bool = False, attention_blocks: int = 0, router_fold: bool = False) -> tuple[list, tuple]:
+                 moe_fused: bool = False, attention_blocks: int = 0, router_fold: bool = False,
+                 topk_local: bool = False) -> tuple[list, tuple]:
     """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on.
     attention_blocks: a sparse layer's ATTN tasks on the last that many blocks, which take no MoE up tile.
     router_fold: after layer 0, a sparse layer's router folds the norm into its product (ROUTER arg2 = 1, the
     kernel's NC_ROUTER_FOLD build) and waits for the previous layer instead of NORM; the MoE tasks, which read
-    NORM's h, then wait for NORM, and o_proj waits for the router too (both add into the x the router reads)."""
+    NORM's h, then wait for NORM, and o_proj waits for the router too (both add into the x the router reads).
+    topk_local: no TOPK task; the MoE tasks select the experts themselves (MOE_UP arg4, MOE_DOWN arg2; the kernel's
+    NC_TOPK_LOCAL build) and wait for the routers instead."""
     fold = router_fold and bool(previous) and not c.is_dense(layer)
     router_tiles = math.ceil(c.num_experts / 16)
     early_router_done = counters.alloc() if fold else -1  # o_proj's wait needs it before the attention waves
@@ -257,27 +260,32 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
                       ((up_done, up_tiles),), mlp_done)
         return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
     router_done = early_router_done if fold else counters.alloc()
-    topk_done = counters.alloc()
+    topk_done = -1 if topk_local else counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
     router_args = ((0, m.arange(router_tiles)), 1) + ((1,) if fold else ())
     router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args,
                     previous if fold else ((norm_done, m.batch),), router_done)
-    moe_waits = ((topk_done, 1),) + (((norm_done, m.batch),) if fold else ())
-    topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
+    # the MoE tasks read the top-k's slots, or (topk_local) the routers' logits; and NORM's h (router_fold)
+    moe_waits = ((router_done, router_tiles),) if topk_local else ((topk_done, 1),)
+    moe_waits += ((norm_done, m.batch),) if fold else ()
+    topk = [] if topk_local else [m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),),
+                                         topk_done)]
     # arg0: the last blocks that take no up tile (combine_apart, attention_blocks); arg1: the first "slot done"
     # counter; arg2: the counter up tiles are claimed from (up_claims), or -1: static round-robin shares; arg3: 1
     # when the block's down share follows in the same task (moe_fused, for the kernel's NC_LEAN_FUSED build: one
     # task boundary less; COMBINE then goes before it)
     if moe_fused:
         up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim, 1), moe_waits, mlp_done)
-        return [norm, router, topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
-    up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim), moe_waits)
-    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), moe_waits, mlp_done)
+        return [norm, router, *topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    up_args = (no_up, slot_done, claim) + ((0, 1) if topk_local else ())  # arg4: the local top-k
+    up = m.wave("each", TaskType.MOE_UP, layer, 1, up_args, moe_waits)
+    down_args = (0, slot_done) + ((1,) if topk_local else ())  # arg2: the local top-k
+    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, down_args, moe_waits, mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
-    return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    return [norm, router, *topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
 
 
 def combine_blocks_apart(config: ModelConfig, batch: int, num_blocks: int, wanted: bool) -> int:
@@ -329,7 +337,7 @@ def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> i
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
                    up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
-                   attention_blocks: int = 0, router_fold: bool = False) -> Schedule:
+                   attention_blocks: int = 0, router_fold: bool = False, topk_local: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
@@ -339,19 +347,21 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
     (one_round_q_tiles). attention_blocks (0: off): a sparse layer's attention splits only on the last that many
     blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. router_fold: the
-    routers after layer 0 fold the norm and wait for the previous layer (the kernel's NC_ROUTER_FOLD build). Waves are
+    routers after layer 0 fold the norm and wait for the previous layer (the kernel's NC_ROUTER_FOLD build).
+    topk_local: the MoE tasks select the experts themselves, no TOPK task (the kernel's NC_TOPK_LOCAL build). Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and place_waves
     per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
-    assert not (moe_fused and router_fold), "moe_fused and router_fold run on two different kernel builds"
+    assert not (moe_fused and (router_fold or topk_local)), "moe_fused runs on another kernel build"
     q_tiles = one_round_q_tiles(config, num_blocks, qkv_tiles) if qkv_one_round else qkv_tiles
     c, m, counters = config, _WaveMaker(config, batch, qkv_tiles, q_tiles), _Counters()
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
         layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             combine_apart, up_claims, moe_fused, attention_blocks, router_fold)
+                                             combine_apart, up_claims, moe_fused, attention_blocks, router_fold,
+                                             topk_local)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))

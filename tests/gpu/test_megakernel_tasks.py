@@ -183,12 +183,10 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
     and the routed experts' output match the reference computed with the kernel's choice (flags as
     $NC_VARIANT sets them)."""
-    from northcode.bench.decode_oracle import route_weights
     from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
-    from northcode.model.model import run_experts
 
     config, weights, model, cache, kernel = env(geometry)
-    layer, k = 3, config.num_experts_per_tok
+    layer = 3
     h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
     kernel.h.copy_(h)
     kernel.x.copy_(x)
@@ -205,6 +203,18 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     kernel.router_logits.zero_()
     kernel.slot_weight.fill_(float("nan"))  # every (slot, row) the step uses must be written
     run(kernel, waves, num_counters=4 + config.num_experts)
+    check_routed_experts(geometry, layer, h, x, slots_written=True)
+
+
+def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Tensor, slots_written: bool) -> None:
+    """After a layer's router and MoE tasks on h [8, H] (residual x before): the logits, the chosen experts (the
+    top-k of the kernel's own logits), the expert count, the slots and their weights (where a TOPK task wrote
+    them) and the residual's change against the reference experts with the kernel's choice."""
+    from northcode.bench.decode_oracle import route_weights
+    from northcode.model.model import run_experts
+
+    config, weights, model, cache, kernel = env(geometry)
+    k = config.num_experts_per_tok
     lw = model.layers[layer]
     logits_ref = F.linear(h, lw.router)  # bf16, as model.route
     assert rel_err(kernel.router_logits, logits_ref.float()) < REL_TOL
@@ -216,17 +226,45 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
         rest[chosen[b]] = -float("inf")
         assert len(set(chosen[b].tolist())) == k and float(picked.min()) >= float(rest.max()), \
             f"row {b}: experts {chosen[b].tolist()} are not the top-{k} of the kernel's logits"
-    num_slots = int(kernel.moe_slots[0])
-    slots = kernel.moe_slots[1:1 + num_slots].tolist()
-    assert slots == sorted(set(chosen.flatten().tolist()))
-    assert int(kernel.expert_counts[layer]) == num_slots
+    assert int(kernel.expert_counts[layer]) == len(set(chosen.flatten().tolist()))
     weights_ref = route_weights(logits_ref, chosen, config)  # [8, k] for the kernel's choice
-    for b in range(8):
-        for j in range(k):
-            slot = slots.index(int(chosen[b, j]))
-            assert abs(float(kernel.slot_weight[slot, b]) - float(weights_ref[b, j])) < 1e-2
+    if slots_written:
+        num_slots = int(kernel.moe_slots[0])
+        slots = kernel.moe_slots[1:1 + num_slots].tolist()
+        assert slots == sorted(set(chosen.flatten().tolist()))
+        for b in range(8):
+            for j in range(k):
+                slot = slots.index(int(chosen[b, j]))
+                assert abs(float(kernel.slot_weight[slot, b]) - float(weights_ref[b, j])) < 1e-2
     ref = run_experts(h, lw.experts_gate_up, lw.experts_down, chosen, weights_ref)
     assert rel_err(kernel.x - x, ref) < 2 * REL_TOL
+
+
+def test_topk_local_selects_in_the_moe_tasks(geometry: str) -> None:
+    """The topk-local build (variant topk-local): MOE_UP tasks with arg4 set and MOE_DOWN tasks with arg2 set
+    select the experts themselves from the router logits, with no TOPK task: the same choice (the top-k of the
+    kernel's logits), the layer's expert count, and the residual's change against the reference experts."""
+    from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
+
+    variant = VARIANTS[variant_from_env()]
+    if not variant.topk_local:
+        pytest.skip("the default's build has no local top-k: NC_VARIANT=topk-local runs this")
+    config, weights, model, cache, kernel = env(geometry)
+    layer = 3
+    h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
+    kernel.h.copy_(h)
+    kernel.x.copy_(x)
+    router_tiles = -(-config.num_experts // 16)
+    # counters: 0 router done, 2 up tiles claimed (the variant's up_claims, else static shares), 4.. slot done
+    claims = 2 if variant.up_claims else -1
+    waves = [[make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)],
+             ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims, 0, 1), ((0, router_tiles),))),
+             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4, 1), ((0, router_tiles),)))]
+    kernel.routed.zero_()
+    kernel.expert_counts.zero_()
+    kernel.router_logits.zero_()
+    run(kernel, waves, num_counters=4 + config.num_experts)
+    check_routed_experts(geometry, layer, h, x, slots_written=False)
 
 
 def test_router_fold_normalises_the_residual_itself(geometry: str) -> None:
