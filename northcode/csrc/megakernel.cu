@@ -1429,7 +1429,8 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
                     : make_uint4(0, 0, 0, 0);
 #if NC_TOPK_LOCAL
       if (t.arg[2])
-        weight = (threadIdx.x & 7) < p.batch_size ? routed_weight(route_table(smem), st.experts[slot], threadIdx.x & 7) : 0.f;
+        weight = (threadIdx.x & 7) < p.batch_size
+                     ? routed_weight(route_table(smem), st.experts[slot], threadIdx.x & 7) : 0.f;
       else
 #endif
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
