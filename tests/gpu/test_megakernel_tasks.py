@@ -178,13 +178,19 @@ def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
     assert rel_err(kernel.x - x, ref) < REL_TOL
 
 
-def test_router_topk_and_routed_experts(geometry: str) -> None:
+@pytest.mark.parametrize("selection", ["topk-task", "local"])
+def test_router_topk_and_routed_experts(geometry: str, selection: str) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
     and the routed experts' output match the reference computed with the kernel's choice (flags as
-    $NC_VARIANT sets them)."""
+    $NC_VARIANT sets them). local: no TOPK task, the MoE tasks select the experts themselves (MOE_UP arg4,
+    MOE_DOWN arg2: the topk-local build only, NC_VARIANT=topk-local); the slots stay in shared memory."""
     from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
 
+    variant = VARIANTS[variant_from_env()]
+    local = selection == "local"
+    if local and not variant.topk_local:
+        pytest.skip("the default's build has no local top-k: NC_VARIANT=topk-local runs this")
     config, weights, model, cache, kernel = env(geometry)
     layer = 3
     h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
@@ -193,17 +199,22 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     router_tiles = -(-config.num_experts // 16)
     # counters: 0 router done, 1 topk done, 2 up tiles claimed (the variant's up_claims, else static shares),
     # 3 unused, 4.. slot done
-    claims = 2 if VARIANTS[variant_from_env()].up_claims else -1
-    waves = [[make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)],
-             [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
-             ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
-             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
+    claims = 2 if variant.up_claims else -1
+    routers = [make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)]
+    if local:
+        waves = [routers, ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims, 0, 1), ((0, router_tiles),))),
+                 ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4, 1), ((0, router_tiles),)))]
+    else:
+        waves = [routers, [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
+                 ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
+                 ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
+    kernel.expert_counts.zero_()
     kernel.router_logits.zero_()
     kernel.slot_weight.fill_(float("nan"))  # every (slot, row) the step uses must be written
     run(kernel, waves, num_counters=4 + config.num_experts)
-    check_routed_experts(geometry, layer, h, x, slots_written=True)
+    check_routed_experts(geometry, layer, h, x, slots_written=not local)
 
 
 def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Tensor, slots_written: bool) -> None:
@@ -238,33 +249,6 @@ def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Te
                 assert abs(float(kernel.slot_weight[slot, b]) - float(weights_ref[b, j])) < 1e-2
     ref = run_experts(h, lw.experts_gate_up, lw.experts_down, chosen, weights_ref)
     assert rel_err(kernel.x - x, ref) < 2 * REL_TOL
-
-
-def test_topk_local_selects_in_the_moe_tasks(geometry: str) -> None:
-    """The topk-local build (variant topk-local): MOE_UP tasks with arg4 set and MOE_DOWN tasks with arg2 set
-    select the experts themselves from the router logits, with no TOPK task: the same choice (the top-k of the
-    kernel's logits), the layer's expert count, and the residual's change against the reference experts."""
-    from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
-
-    variant = VARIANTS[variant_from_env()]
-    if not variant.topk_local:
-        pytest.skip("the default's build has no local top-k: NC_VARIANT=topk-local runs this")
-    config, weights, model, cache, kernel = env(geometry)
-    layer = 3
-    h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
-    kernel.h.copy_(h)
-    kernel.x.copy_(x)
-    router_tiles = -(-config.num_experts // 16)
-    # counters: 0 router done, 2 up tiles claimed (the variant's up_claims, else static shares), 4.. slot done
-    claims = 2 if variant.up_claims else -1
-    waves = [[make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)],
-             ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims, 0, 1), ((0, router_tiles),))),
-             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4, 1), ((0, router_tiles),)))]
-    kernel.routed.zero_()
-    kernel.expert_counts.zero_()
-    kernel.router_logits.zero_()
-    run(kernel, waves, num_counters=4 + config.num_experts)
-    check_routed_experts(geometry, layer, h, x, slots_written=False)
 
 
 def test_router_fold_normalises_the_residual_itself(geometry: str) -> None:
