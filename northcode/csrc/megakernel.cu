@@ -1196,40 +1196,19 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
   asm volatile("cp.async.commit_group;");
 }
 
-// Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the activation
-// fragments in xa). Per step: the step's copies done (this thread's, then a barrier for the others'), the step
-// kMoeStages - 1 ahead issued into the slot every warp has just left, then the warp's chunk read from the slot.
-template <int kSteps>
-__device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, const uint4 (&xa)[kSteps], float (&acc)[2][4]) {
+// Steps in flight: one slot is the one every warp has just left, refilled after the step's barrier.
+constexpr int kMoeAhead = kMoeStages - 1;
+
+// This lane's fragments of step q (rows g, g + 8 of A and B at its warp's chunk) from the block's slot.
+__device__ __forceinline__ void moe_step_pieces(const MoeStream& st, int q, uint4& a_lo, uint4& a_hi, uint4& b_lo,
+                                                uint4& b_hi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int col = ((warp * 4 + t) ^ ((g & 1) << 2)) << 4;  // rows g and g + 8 have the same swizzle
-#pragma unroll
-  for (int n = 0; n < 2; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-#pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
-    if (j < st.steps) {
-      const int q = i * st.steps + j;
-      NC_MOE_AHEAD(st, i, j)
-      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 2) : "memory");
-      __syncthreads();
-      moe_issue(st, q + kMoeStages - 1);
-      if (j < st.warp_steps) {
-        const unsigned char* slot =
-            reinterpret_cast<const unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384 + col;
-        const uint4 a_lo = *reinterpret_cast<const uint4*>(slot + g * 512);
-        const uint4 a_hi = *reinterpret_cast<const uint4*>(slot + (g + 8) * 512);
-        const uint4 b_lo = *reinterpret_cast<const uint4*>(slot + (g + 16) * 512);
-        const uint4 b_hi = *reinterpret_cast<const uint4*>(slot + (g + 24) * 512);
-        mma_piece(acc[0], a_lo, a_hi, xa[j]);
-        mma_piece(acc[1], b_lo, b_hi, xa[j]);
-      }
-    }
-  }
-}
-
-// Issues the stream's first kMoeStages - 1 steps (before any wait where the weights are already known).
-__device__ __forceinline__ void stream_prologue(const MoeStream& st) {
-  for (int q = 0; q < kMoeStages - 1; ++q) moe_issue(st, q);
+  const unsigned char* slot = reinterpret_cast<const unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384 + col;
+  a_lo = *reinterpret_cast<const uint4*>(slot + g * 512);
+  a_hi = *reinterpret_cast<const uint4*>(slot + (g + 8) * 512);
+  b_lo = *reinterpret_cast<const uint4*>(slot + (g + 16) * 512);
+  b_hi = *reinterpret_cast<const uint4*>(slot + (g + 24) * 512);
 }
 #else
 // Issues step q of the lane's stream into ring slot q % kMoeStages (nothing past the end) and commits a group.
@@ -1259,8 +1238,20 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
   asm volatile("cp.async.commit_group;");
 }
 
-// Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the
-// activation fragments in xa), refilling each consumed ring slot with the step kMoeStages ahead.
+constexpr int kMoeAhead = kMoeStages;  // steps in flight: every slot
+
+// This lane's pieces of step q (its own copies) from its slot.
+__device__ __forceinline__ void moe_step_pieces(const MoeStream& st, int q, uint4& a_lo, uint4& a_hi, uint4& b_lo,
+                                                uint4& b_hi) {
+  const uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
+  a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];
+}
+#endif
+
+// Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the activation
+// fragments in xa), keeping kMoeAhead steps in flight: the lane-private ring refills the slot it has just read
+// with the step kMoeStages ahead; NC_MOE_COOP first meets the block at a barrier (every thread's copies of the
+// step landed, every warp done with the previous slot) and refills that previous slot, then reads.
 template <int kSteps>
 __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, const uint4 (&xa)[kSteps], float (&acc)[2][4]) {
 #pragma unroll
@@ -1270,21 +1261,27 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
     if (j < st.steps) {
       const int q = i * st.steps + j;
       NC_MOE_AHEAD(st, i, j)
-      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
-      const uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
-      const uint4 a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];
+      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeAhead - 1) : "memory");
+#if NC_MOE_COOP
+      __syncthreads();
+      moe_issue(st, q + kMoeAhead);
+      if (j >= st.warp_steps) continue;  // no chunk of this step for the warp (it joined the barrier)
+#endif
+      uint4 a_lo, a_hi, b_lo, b_hi;
+      moe_step_pieces(st, q, a_lo, a_hi, b_lo, b_hi);
       mma_piece(acc[0], a_lo, a_hi, xa[j]);
       mma_piece(acc[1], b_lo, b_hi, xa[j]);
-      moe_issue(st, q + kMoeStages);
+#if !NC_MOE_COOP
+      moe_issue(st, q + kMoeAhead);
+#endif
     }
   }
 }
 
-// Issues the stream's first kMoeStages steps (before any wait where the weights are already known).
+// Issues the stream's first kMoeAhead steps (before any wait where the weights are already known).
 __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
-  for (int q = 0; q < kMoeStages; ++q) moe_issue(st, q);
+  for (int q = 0; q < kMoeAhead; ++q) moe_issue(st, q);
 }
-#endif
 
 #if NC_TOPK_LOCAL
 // Each row's k experts and weights, kept for a MoE task's whole run (after the ring: the products' memory is reused).
