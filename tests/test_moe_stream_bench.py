@@ -1,5 +1,5 @@
 """CPU: northcode/bench/moe_stream_bench.py parses its arguments and refuses an expert count the layer does not
-have before it touches a GPU (its figures come from tools/device_moe_stages.sh on the H200)."""
+have before it touches a GPU (its figures come from `STREAM=1 bash tools/device_tuning.sh` on the H200)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@
 #     run(command='TUNINGS="- NC_MOE_COOP=1" TESTS=1 STREAM=1 bash tools/device_tuning.sh', timeout_s=420)
 # TESTS=1: first, for each build but the default, the per-task tests (tiny and 5-layer geometries) and the tiny
 # teacher-forced test; STREAM=1: northcode/bench/moe_stream_bench.py (the MoE stream alone) for each build.
+# STEPS: timed steps (50); VARIANTS: megakernel variants timed beside each build (as megakernel/<name>). The MoE
+# ring's depths: TUNINGS="NC_MOE_STAGES=6 NC_MOE_STAGES=8" TESTS=1 STREAM=1 (what tools/device_moe_stages.sh did).
 # Prints ms per step and the QKV / o_proj / MoE busy times (us summed over the step's tasks); logs under $OUT.
 set -u
 OUT=${OUT:-/tmp/nc-out}

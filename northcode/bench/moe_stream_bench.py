@@ -5,7 +5,7 @@ stream's own limit with the schedule's. This runs only MOE_UP tasks (one per SM,
 the slots' up tiles), then MOE_UP + MOE_DOWN, over N distinct experts of one North Mini Code layer (random
 weights), and prints the bytes streamed per second against the read bandwidth of a plain 4 GiB sum measured in
 the same process: if the stream alone stays well under it, the per-SM ring is the limit (its depth:
-NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_STAGES=N, tools/device_moe_stages.sh); if it reaches it, the step's
+NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_STAGES=N, tools/device_tuning.sh); if it reaches it, the step's
 schedule is. 8 experts is batch 1's working set (a 50 MB up phase: launch overhead included), 128 all of them.
 """
 
