@@ -1296,6 +1296,8 @@ __device__ __forceinline__ RouteTable* route_table(unsigned char* smem) {
 // The layer's top-k in this block, from the router logits: the slots' experts into experts[0, slots) and the rows'
 // choices into routes; returns the number of slots. Block 0 counts the layer's experts for the byte count (every
 // block's topk_row writes the same p.routed). Its TopkSmem is the products' memory (free before the first tile).
+// A block's up and down tasks each run it: shared memory is not kept between them (COMBINE may run in between),
+// and the down task's selection (~1 us) overlaps the wait for its slots' up tiles.
 __device__ int local_topk(const Params& p, int layer, unsigned char* smem, int* experts, RouteTable* routes) {
   static_assert(sizeof(TopkSmem) <= offsetof(GemmSmem, best), "local top-k: its memory is not the experts' list");
   TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
