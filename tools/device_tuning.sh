@@ -6,6 +6,8 @@
 # teacher-forced test; STREAM=1: northcode/bench/moe_stream_bench.py (the MoE stream alone) for each build.
 # STEPS: timed steps (50); VARIANTS: megakernel variants timed beside each build (as megakernel/<name>). The MoE
 # ring's depths: TUNINGS="NC_MOE_STAGES=6 NC_MOE_STAGES=8" TESTS=1 STREAM=1 (what tools/device_moe_stages.sh did).
+# KEEP_PROFILES=1: each build's profiles (every variant's at B = 1, the default's at B = 8) come back as
+# $OUT/<build>-profile-*.pt.
 # Prints ms per step and the QKV / o_proj / MoE busy times (us summed over the step's tasks); logs under $OUT.
 set -u
 OUT=${OUT:-/tmp/nc-out}
@@ -33,6 +35,11 @@ for tuning in ${TUNINGS:--}; do
   grep -E "^  profile megakernel" "$OUT/step-$name.log" | sed -E 's/^  profile (megakernel[^:]*):.*median layer ([0-9.]+) us.*/\1 layer \2/'
   grep -E "^  profile megakernel" "$OUT/step-$name.log" | grep -oE "(OPROJ|MOE_UP|MOE_DOWN|QKV) wait [0-9.]+ busy [0-9.]+" | \
     sed -E 's/ wait [0-9.]+ busy/ busy/' | paste -sd' ' | fold -w 200
+  if [ "${KEEP_PROFILES:-0}" = 1 ]; then
+    for f in "$OUT/step-$name"/profile-megakernel-b8-c8192.pt "$OUT/step-$name"/profile-*-b1-c8192.pt; do
+      [ -e "$f" ] && cp "$f" "$OUT/${name}-$(basename "$f")"
+    done
+  fi
   rm -rf "$OUT/step-$name"
 done
 (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log)

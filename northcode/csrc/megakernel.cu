@@ -245,6 +245,31 @@ __device__ __forceinline__ void cp_async16_evict_first(void* dst, const void* sr
 #else
 #define NC_MOE_COPY cp_async16
 #endif
+// The same copy issued by every lane, `bytes` (16 or 0: zeros, no read) from src, with the policy made once by the
+// caller (evict_first_policy): NC_MOE_COOP's partial chunks (tiny geometries) first skipped the copy in some lanes,
+// and an LDGSTS with a cache-hint descriptor inside such a branch stopped the warp (cuda-gdb, run 66: "Warp Illegal
+// Instruction" at it), with the policy made inside the branch or outside.
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+#ifndef NC_COOP_HINT  // experiment: 0 no L2 hint, 1 the policy made inside the copy's asm, 2 passed in a register
+#define NC_COOP_HINT 2
+#endif
+__device__ __forceinline__ void cp_async16_all_lanes(void* dst, const void* src, int bytes, unsigned long long policy) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+#if NC_COOP_HINT == 2
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(d), "l"(src), "r"(bytes),
+               "l"(policy));
+#elif NC_COOP_HINT == 1
+  asm volatile("{ .reg .b64 policy;\n"
+               "  createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+               "  cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, policy; }" ::"r"(d), "l"(src), "r"(bytes));
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes));
+#endif
+}
 #ifndef NC_KV_EVICT_FIRST  // run 53: B = 1 -0.8%, B = 8 -0.7% on top of the experts'
 #define NC_KV_EVICT_FIRST 1
 #endif
@@ -1185,12 +1210,14 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
     const bf16 *wa, *wb;
     moe_tile_rows(st, tile, wa, wb);
     unsigned char* slot = reinterpret_cast<unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384;
+    const unsigned long long policy = evict_first_policy();  // NC_MOE_EVICT_FIRST=0 is not built with it
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // copy r of warp w: row w + 8 (r & 1) of A (r < 2) or B
       const int piece = threadIdx.x + kThreads * r, row = (piece >> 5) & 15, u = piece & 31;
-      if (j * 8 + (u >> 2) < K / 32)
-        NC_MOE_COPY(slot + ((piece >> 9) * 16 + row) * 512 + ((u ^ ((row & 1) << 2)) << 4),
-                    (piece >> 9 ? wb : wa) + (size_t)row * K + j * 256 + u * 8);
+      const bool inside = j * 8 + (u >> 2) < K / 32;  // tiny geometries: K / 32 < 8 chunks a step
+      cp_async16_all_lanes(slot + ((piece >> 9) * 16 + row) * 512 + ((u ^ ((row & 1) << 2)) << 4),
+                           inside ? (piece >> 9 ? wb : wa) + (size_t)row * K + j * 256 + u * 8 : wa, inside ? 16 : 0,
+                           policy);
     }
   }
   asm volatile("cp.async.commit_group;");
@@ -1227,6 +1254,10 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
     // stream?
     (void)c;
     const size_t lo = (size_t)(q % st.steps) * 4096 + 8 * threadIdx.x, hi = lo + 2048;
+#elif NC_MOE_PACKED  // an experiment's -D: the experts repacked at load (kernel.py pack_row_blocks): in each
+    // 16-row block, 32-column chunk c's 16 rows x 64 B are contiguous, so a warp copy reads 512 contiguous bytes
+    // and a ring step 2 x 8 KB (the probe: fragment order 3.3 TB/s on 132 SMs, contiguous 4.5)
+    const size_t lo = ((size_t)c * 16 + g) * 32 + 8 * t, hi = lo + 256;
 #else
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
 #endif

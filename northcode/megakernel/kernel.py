@@ -17,6 +17,7 @@ import os
 import shutil
 import struct
 import subprocess
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,32 @@ def find_nvcc() -> str:
 
 # compile-time knobs for experiments (the .cu's defaults otherwise; docs/performance.md says what each tests)
 TUNING_DEFINES = ("NC_MOE_STAGES", "NC_STREAM_PATTERN", "NC_MOE_EVICT_FIRST", "NC_KV_EVICT_FIRST", "NC_MOE_COOP",
-                  "NC_MOE_L2_AHEAD")
+                  "NC_COOP_HINT", "NC_MOE_L2_AHEAD", "NC_MOE_PACKED")
+PACKED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # NC_MOE_PACKED: repacked copies
+# id(source) -> (source's version counter, repacked copy): Megakernels on the same weights share the copy, an
+# in-place change of the source makes a new one, and a freed source drops its entry (weakref.finalize)
+_packed_cache: dict[int, tuple[int, torch.Tensor]] = {}
+
+
+def packed_copy(source: torch.Tensor) -> torch.Tensor:
+    """pack_row_blocks(source), made once per source tensor and version."""
+    version, packed = _packed_cache.get(id(source), (None, None))
+    if version != source._version:
+        if version is None:
+            weakref.finalize(source, _packed_cache.pop, id(source), None)
+        version, packed = source._version, pack_row_blocks(source)
+        _packed_cache[id(source)] = (version, packed)
+    return packed
+
+
+def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """[..., R, K] -> the same shape, each 16-row block stored chunk-major: the 16 rows x 32 columns of chunk c
+    contiguous (what NC_MOE_PACKED's ring reads: a warp copy 512 contiguous bytes instead of 8 pieces of 64 B)."""
+    *lead, rows, cols = weight.shape
+    if rows % 16 or cols % 32:
+        raise ValueError(f"pack_row_blocks: shape {tuple(weight.shape)}: rows must be a multiple of 16, columns of 32")
+    blocks = weight.reshape(*lead, rows // 16, 16, cols // 32, 32)
+    return blocks.transpose(-3, -2).contiguous().view(weight.shape)
 
 
 def tuning_defines() -> dict[str, int]:
@@ -247,6 +273,10 @@ class Megakernel:
         self.lib = load_library(build_library(config, variant_defines=self.build_defines), config)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self._weights = self._check_weights(weights)
+        if tuning_defines().get("NC_MOE_PACKED"):
+            for name, tensor in self._weights.items():
+                if name.endswith(PACKED_EXPERTS):
+                    self._weights[name] = packed_copy(tensor)
         self.layer_ptrs = torch.tensor(self._layer_pointers(), dtype=torch.int64, device=self.device)
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
         self._allocate_scratch()
