@@ -69,7 +69,6 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
                     assert counters.get(idx, 0) == target, f"{TaskType(t[0]).name} waits for {target}, gets {counters.get(idx, 0)}"
         kinds = {TaskType(t[0]) for t in tasks}
         absent = {TaskType.STOP} | ({TaskType.MOE_DOWN} if v.lean_fused else set())
-        absent |= {TaskType.TOPK} if v.topk_local else set()
         assert kinds == set(TaskType) - absent
         assert max(max(t[8], t[9], t[12]) for t in tasks) < schedule.num_counters
 
@@ -158,13 +157,10 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
 def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
                      qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, combine_apart: bool,
                      up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None,
-                     attention_blocks: int = 0, router_fold: bool = False, topk_local: bool = False) -> tuple:
+                     attention_blocks: int = 0) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
-    fold = router_fold and bool(previous) and not c.is_dense(layer)
-    router_tiles = math.ceil(c.num_experts / 16)
-    router_done = counters.alloc() if fold else -1
     norm_done = counters.alloc()
     waves.append([make_task(TaskType.NORM, layer, (b,), previous, norm_done) for b in range(batch)])
     qkv_done = counters.alloc(kvh)
@@ -186,8 +182,7 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
                       attn_done + b * kvh + g) for b in range(batch) for s in range(num_splits) for g in range(kvh)]
     combine = [make_task(TaskType.COMBINE, layer, (b, g, num_splits), ((attn_done + b * kvh + g, num_splits),),
                          combine_done) for b in range(batch) for g in range(kvh)]
-    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),)
-                       + (((router_done, router_tiles),) if fold else ()), oproj_done)
+    oproj = [make_task(TaskType.OPROJ, layer, (t, 1), ((combine_done, batch * kvh),), oproj_done)
              for t in range(c.hidden_size // 16)]
     if c.is_dense(layer):
         up_done = counters.alloc()
@@ -196,18 +191,15 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
         waves += [attn, [make_task(TaskType.DENSE_DOWN, layer, (t, 1), ((up_done, up_tiles),), mlp_done)
                          for t in range(down_tiles)], combine, oproj]
         return (oproj_done, len(oproj)), (mlp_done, down_tiles)
-    router_done = router_done if fold else counters.alloc()
-    topk_done = -1 if topk_local else counters.alloc()
+    router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
-    moe_waits = ((router_done, router_tiles),) if topk_local else ((topk_done, 1),)
-    moe_waits += ((norm_done, batch),) if fold else ()
-    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1) + ((1,) if fold else ()),
-                                                     previous if fold else ((norm_done, batch),), router_done)
-                                           for t in range(router_tiles)])]
-    if not topk_local:
-        waves.insert(qkv_wave + 1, ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),),
-                                                        topk_done)]))
+    router_tiles = math.ceil(c.num_experts / 16)
+    moe_waits = ((topk_done, 1),)
+    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),),
+                                                     router_done) for t in range(router_tiles)]),
+                                ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),),
+                                                     topk_done)])]
     apart = batch * kvh if combine_apart and batch * kvh <= 8 and 2 * batch * kvh <= num_blocks else 0
     if apart:
         combine = ("last", combine)
@@ -219,10 +211,8 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
         waves += [attn, combine, ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim, 1),
                                                     moe_waits, mlp_done)), oproj]
         return (oproj_done, len(oproj)), (mlp_done, num_blocks)
-    up = ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim) + ((0, 1) if topk_local else ()),
-                            moe_waits))
-    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done) + ((1,) if topk_local else ()), moe_waits,
-                              mlp_done))
+    up = ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim), moe_waits))
+    down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), moe_waits, mlp_done))
     waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
               "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
     return (oproj_done, len(oproj)), (mlp_done, num_blocks)
@@ -231,14 +221,12 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
 def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                               order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
                               up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None,
-                              attention_blocks: int = 0, router_fold: bool = False,
-                              topk_local: bool = False) -> Schedule:
+                              attention_blocks: int = 0) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
         previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves,
-                                    combine_apart, up_claims, moe_fused, q_tiles, attention_blocks, router_fold,
-                                    topk_local)
+                                    combine_apart, up_claims, moe_fused, q_tiles, attention_blocks)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -272,11 +260,7 @@ def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
                                                  "attention-first combine-apart claims fused",
                                                  "attention-first combine-apart claims one-round",
                                                  "attention-first combine-apart claims attention-5",
-                                                 "attention-first combine-apart claims attention-48",
-                                                 "attention-first combine-apart claims router-fold",
-                                                 "oproj-before-down combine-apart claims router-fold",
-                                                 "attention-first combine-apart claims topk-local",
-                                                 "attention-first combine-apart claims router-fold topk-local"))
+                                                 "attention-first combine-apart claims attention-48"))
 def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
     """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
     contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
@@ -284,7 +268,6 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
     apart, claims, fused = "combine-apart" in options, "claims" in options, "fused" in options
     one_round = "one-round" in options
     attention_blocks = next((int(o.split("-")[1]) for o in options if o.startswith("attention-")), 0)
-    router_fold, topk_local = "router-fold" in options, "topk-local" in options
     config = _preset(preset)
     seen = set()
     for batch in (1, 2, 3, 8):
@@ -298,96 +281,9 @@ def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> No
                     where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
                     q_tiles = one_round_q_tiles(config, blocks, qkv_tiles) if one_round else None
                     _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims, fused,
-                                                one_round, attention_blocks, router_fold, topk_local),
+                                                one_round, attention_blocks),
                                  _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, apart, claims,
-                                                           fused, q_tiles, attention_blocks, router_fold, topk_local),
-                                 where)
-
-
-def _waits_for(tasks: list[list[int]], i: int, counter: int, target: int) -> bool:
-    """Task i waits, itself or through the tasks it waits for, until `counter` reaches at least `target`."""
-    signallers: dict[int, list[int]] = {}
-    for j, t in enumerate(tasks):
-        if t[12] >= 0:
-            signallers.setdefault(t[12], []).append(j)
-    seen, todo = set(), [i]
-    while todo:
-        t = tasks[todo.pop()]
-        for wait, want in ((t[8], t[10]), (t[9], t[11])):
-            if wait == counter and want >= target:
-                return True
-            if wait >= 0 and wait not in seen:
-                seen.add(wait)
-                todo += signallers.get(wait, [])
-    return False
-
-
-@pytest.mark.parametrize("preset", ["tiny", "north-mini-code-5"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_router_fold_orders_the_residual(preset: str, batch: int) -> None:
-    """router_fold: after layer 0 a sparse layer's routers fold the norm (arg2 = 1) and wait for the previous layer,
-    not for NORM; the MoE tasks, which read NORM's h, wait for NORM; and every task that adds into the residual the
-    routers read (o_proj, MoE down) waits, directly or through others, for all of the layer's routers."""
-    config = _preset(preset)
-    schedule = build_schedule(config, batch, 132, attention_splits(config, batch, 132, 300),
-                              **VARIANTS["router-fold"].schedule_options())
-    tasks = schedule.tasks.tolist()
-    norm = {t[1]: t[12] for t in tasks if t[0] == TaskType.NORM}
-    routers: dict[int, list] = {}
-    for t in tasks:
-        if t[0] == TaskType.ROUTER:
-            routers.setdefault(t[1], []).append(t)
-    checked = 0
-    for i, t in enumerate(tasks):
-        layer, kind = t[1], TaskType(t[0])
-        if not 1 <= layer < config.num_hidden_layers or layer not in routers:
-            continue
-        if kind == TaskType.ROUTER:
-            assert t[4] == 1 and norm[layer] not in (t[8], t[9]), f"router of layer {layer}: {t}"
-        if kind in (TaskType.MOE_UP, TaskType.MOE_DOWN):
-            assert _waits_for(tasks, i, norm[layer], batch), f"{kind.name} of layer {layer} may read h before its norm"
-        if kind in (TaskType.OPROJ, TaskType.MOE_DOWN):
-            done = routers[layer][0][12]
-            assert _waits_for(tasks, i, done, len(routers[layer])), \
-                f"{kind.name} of layer {layer} may add before a router read x"
-            checked += 1
-    assert checked > 0
-
-
-@pytest.mark.parametrize("variant", ["topk-local", "fold-topk-local"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_topk_local_reads_the_logits_before_the_next_routers(variant: str, batch: int) -> None:
-    """topk_local: no TOPK task; every MoE task of a sparse layer selects the experts itself (MOE_UP arg4, MOE_DOWN
-    arg2) after all of the layer's routers; a block runs its up task before its down task, and the next layer's
-    routers wait for every down task, so no router overwrites the logits a MoE task still has to read."""
-    config = _preset("north-mini-code-5")
-    schedule = build_schedule(config, batch, 132, attention_splits(config, batch, 132, 300),
-                              **VARIANTS[variant].schedule_options())
-    tasks, starts = schedule.tasks.tolist(), schedule.task_start.tolist()
-    assert not any(t[0] == TaskType.TOPK for t in tasks)
-    routers: dict[int, tuple[int, int]] = {}  # layer -> (router done counter, routers)
-    for t in tasks:
-        if t[0] == TaskType.ROUTER:
-            counter, n = routers.get(t[1], (t[12], 0))
-            routers[t[1]] = (counter, n + 1)
-    mlp_done = {t[1]: t[12] for t in tasks if t[0] == TaskType.MOE_DOWN}
-    checked = 0
-    for i, t in enumerate(tasks):
-        if t[0] == TaskType.MOE_DOWN:
-            assert t[4] == 1, f"MOE_DOWN of layer {t[1]} without the local top-k: {t}"
-        if t[0] == TaskType.MOE_UP:
-            assert t[6] == 1, f"MOE_UP of layer {t[1]} without the local top-k: {t}"
-        if t[0] in (TaskType.MOE_UP, TaskType.MOE_DOWN):
-            assert routers[t[1]] in ((t[8], t[10]), (t[9], t[11])), f"{TaskType(t[0]).name} of layer {t[1]}: {t}"
-        if t[0] == TaskType.ROUTER and t[1] - 1 in mlp_done:
-            assert _waits_for(tasks, i, mlp_done[t[1] - 1], 132), f"router of layer {t[1]}: {t}"
-            checked += 1
-    assert checked > 0
-    for block in range(132):
-        mine = tasks[starts[block]:starts[block + 1]]
-        for layer in mlp_done:
-            kinds = [t[0] for t in mine if t[1] == layer]
-            assert kinds.index(TaskType.MOE_UP) < kinds.index(TaskType.MOE_DOWN), f"block {block}, layer {layer}"
+                                                           fused, q_tiles, attention_blocks), where)
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:

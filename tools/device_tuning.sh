@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The decode step at B = 1 and 8 (8K, 50 steps, profiled) for each build in TUNINGS (NORTHCODE_MEGAKERNEL_TUNING
 # values, space-separated; "-" is the default's build), one process each, on the H200:
-#     run(command='TUNINGS="- NC_MOE_COOP=1" TESTS=1 STREAM=1 bash tools/device_tuning.sh', timeout_s=420)
+#     run(command='TUNINGS="- NC_MOE_PACKED=1" TESTS=1 STREAM=1 bash tools/device_tuning.sh', timeout_s=420)
 # TESTS=1: first, for each build but the default, the per-task tests (tiny and 5-layer geometries) and the tiny
 # teacher-forced test; STREAM=1: northcode/bench/moe_stream_bench.py (the MoE stream alone) for each build.
 # STEPS: timed steps (50); VARIANTS: megakernel variants timed beside each build (as megakernel/<name>). The MoE

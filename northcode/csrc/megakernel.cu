@@ -82,12 +82,10 @@ enum TaskType : int {
   TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles, arg2 norm folded in (NC_ROUTER_FOLD): router logits
+  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
-  TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs);
-                        // arg4 local top-k (NC_TOPK_LOCAL)
-  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range); arg2 local
-                        // top-k (NC_TOPK_LOCAL)
+  TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
+  TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
   TASK_DENSE_UP = 10,   // arg0 first tile, arg1 tiles: silu(gate) * up
   TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
   TASK_LM_HEAD = 12,    // arg0 first 32-row tile, arg1 tiles, arg2 task index: logits + partial argmaxes
@@ -107,22 +105,6 @@ enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_F
 // a tile (3.26 -> 3.49 ms a step at B = 1) with no instruction of theirs changed; see docs/performance.md.
 #ifndef NC_LEAN_FUSED
 #define NC_LEAN_FUSED 0
-#endif
-// NC_ROUTER_FOLD (compile time, the `router-fold` variant's build; 0: the default): a ROUTER task whose arg2 is set
-// reads the residual x and folds the layer's RMSNorm into its product (mma_tiles<1, true>) instead of reading
-// NORM's h, so it waits for the previous layer, not for NORM: the MoE chain (router -> top-k -> up) starts one
-// task hop (~3.5 us at B = 1) earlier. QKV still reads NORM's h (day 3's local norm for QKV too lost 8-11%: the
-// QKV tasks' L2 prefetch had filled NORM's window); tasks.build_schedule(router_fold=True).
-#ifndef NC_ROUTER_FOLD
-#define NC_ROUTER_FOLD 0
-#endif
-// NC_TOPK_LOCAL (compile time, the `topk-local` variant's build; 0: the default): a MOE_UP task whose arg4 is set,
-// and a MOE_DOWN task whose arg2 is set, select the layer's experts themselves from the router logits (local_topk:
-// task_topk's selection and slot numbering, into the block's shared memory) instead of waiting for a TOPK task and
-// reading its slots: the layer's TOPK task (one block, ~5 us at B = 1) and its hop leave the MoE chain, which sets
-// when the up phase starts once attention holds only half the SMs; tasks.build_schedule(topk_local=True).
-#ifndef NC_TOPK_LOCAL
-#define NC_TOPK_LOCAL 0
 #endif
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
@@ -245,31 +227,6 @@ __device__ __forceinline__ void cp_async16_evict_first(void* dst, const void* sr
 #else
 #define NC_MOE_COPY cp_async16
 #endif
-// The same copy issued by every lane, `bytes` (16 or 0: zeros, no read) from src, with the policy made once by the
-// caller (evict_first_policy): NC_MOE_COOP's partial chunks (tiny geometries) first skipped the copy in some lanes,
-// and an LDGSTS with a cache-hint descriptor inside such a branch stopped the warp (cuda-gdb, run 66: "Warp Illegal
-// Instruction" at it), with the policy made inside the branch or outside.
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-  unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-#ifndef NC_COOP_HINT  // experiment: 0 no L2 hint, 1 the policy made inside the copy's asm, 2 passed in a register
-#define NC_COOP_HINT 2
-#endif
-__device__ __forceinline__ void cp_async16_all_lanes(void* dst, const void* src, int bytes, unsigned long long policy) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-#if NC_COOP_HINT == 2
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(d), "l"(src), "r"(bytes),
-               "l"(policy));
-#elif NC_COOP_HINT == 1
-  asm volatile("{ .reg .b64 policy;\n"
-               "  createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-               "  cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, policy; }" ::"r"(d), "l"(src), "r"(bytes));
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes));
-#endif
-}
 #ifndef NC_KV_EVICT_FIRST  // run 53: B = 1 -0.8%, B = 8 -0.7% on top of the experts'
 #define NC_KV_EVICT_FIRST 1
 #endif
@@ -437,41 +394,9 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
-// 8 residual values (fp32, two 16-B pieces) and their norm weights -> the bf16 activation piece bf16(w * bf16(x));
-// adds bf16(x)^2 to sq.
-__device__ __forceinline__ uint4 fold_piece(const uint4& lo, const uint4& hi, const uint4& w, float& sq) {
-  const float4 a = *reinterpret_cast<const float4*>(&lo), b = *reinterpret_cast<const float4*>(&hi);
-  const float v[8] = {bf16_round(a.x), bf16_round(a.y), bf16_round(a.z), bf16_round(a.w),
-                      bf16_round(b.x), bf16_round(b.y), bf16_round(b.z), bf16_round(b.w)};
-  const unsigned wr[4] = {w.x, w.y, w.z, w.w};
-  unsigned packed[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wr[i]));
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(wf.x * v[2 * i], wf.y * v[2 * i + 1]);
-    packed[i] = *reinterpret_cast<const unsigned*>(&pair);
-    sq += v[2 * i] * v[2 * i] + v[2 * i + 1] * v[2 * i + 1];
-  }
-  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
-}
-
-// mma_tiles<NT, true> (NC_ROUTER_FOLD's router): the activation row is the residual x, normalised on the way: the
-// product runs on bf16(w * bf16(x)) (w the norm's weight) and each batch column of out is scaled by 1 / rms(bf16(x))
-// at the end (RMSNorm only; task_norm's h = bf16(w * bf16(bf16(x) / rms)) rounds once more: a bf16 step, not a bit
-// match). x's and the weight's pieces go by cp.async into the lane's own shared-memory slots, in flight with the
-// first pass's weight loads (in registers they spilled 136-240 B).
-struct FoldNorm {
-  const float* x;      // the residual rows (fp32 [8][K]); `act` is not read
-  const bf16* weight;  // the norm's weight [K]
-  uint4* stage;        // shared memory: each lane's pieces of x and the weight ([K / 256] x 3 x kThreads x 16 B)
-  float* part;         // shared memory: kWarps x 8 partial sums of squares
-  float eps;
-};
-
-template <int NT, bool kFold = false>
+template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
-                          const bf16* act, int act_stride, int batch, float* red, float* out,
-                          const FoldNorm* fold = nullptr) {
+                          const bf16* act, int act_stride, int batch, float* red, float* out) {
   // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
   // 220 bytes at 255 registers: day 3)
   constexpr int U = 4;
@@ -490,18 +415,6 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  float sq = 0.f;  // kFold: this lane's sum of bf16(x)^2 over its pieces of row g
-  if constexpr (kFold) {
-    for (int c = warp; c < nchunk; c += kWarps) {
-      uint4* slot = fold->stage + (size_t)(c / kWarps) * 3 * kThreads + threadIdx.x;
-      if (has_row) {
-        cp_async16(slot, fold->x + (size_t)g * K + c * 32 + 8 * t);
-        cp_async16(slot + kThreads, fold->x + (size_t)g * K + c * 32 + 8 * t + 4);
-      }
-      cp_async16(slot + 2 * kThreads, fold->weight + c * 32 + 8 * t);
-    }
-    asm volatile("cp.async.commit_group;");
-  }
 
   for (int c0 = warp; c0 < nchunk; c0 += kWarps * U) {
     uint4 wa[NT][U], wb[NT][U], xa[U];
@@ -514,18 +427,12 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
           wb[n][u] = load_weight16(w_hi[n] + c * 32);
         }
-        if constexpr (!kFold) xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
+        xa[u] = has_row ? load_act16(a_row + c * 32) : make_uint4(0, 0, 0, 0);
       }
     }
-    if constexpr (kFold) asm volatile("cp.async.wait_group 0;" ::: "memory");  // the lane's x and weight pieces
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c0 + kWarps * u < nchunk) {
-        if constexpr (kFold) {
-          const uint4* slot = fold->stage + (size_t)((c0 + kWarps * u) / kWarps) * 3 * kThreads + threadIdx.x;
-          const uint4 zero = make_uint4(0, 0, 0, 0);
-          xa[u] = fold_piece(has_row ? slot[0] : zero, has_row ? slot[kThreads] : zero, slot[2 * kThreads], sq);
-        }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           asm volatile(
@@ -542,22 +449,7 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
       }
     }
   }
-  if constexpr (kFold) {  // row g's sum of squares over the row's 4 lanes; over the warps after reduce_warps' barrier
-    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-    if (t == 0) fold->part[warp * 8 + g] = sq;  // the last reader of `part` (the previous tile) passed a barrier
-  }
   reduce_warps<NT>(acc, red, out);
-  if constexpr (kFold) {
-    for (int i = threadIdx.x; i < NT * 128; i += kThreads) {
-      const int b = i & 7;
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) total += fold->part[w * 8 + b];
-      out[i] *= 1.0f / sqrtf(total / K + fold->eps);
-    }
-    __syncthreads();
-  }
 }
 
 // Shared-memory regions of the product (both fit any task's layout: they are used alone).
@@ -983,21 +875,10 @@ __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) 
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-#if NC_ROUTER_FOLD
-  static_assert(NC_RMS_NORM, "the router's fold: RMSNorm only (LayerNorm's mean does not fold into the product)");
-  static_assert(sizeof(GemmSmem::best) >= kWarps * 8 * sizeof(float), "FoldNorm.part in GemmSmem.best");
-  const FoldNorm fold{p.x, layer_ptr(p, t.layer, LP_NORM), reinterpret_cast<uint4*>(smem + kMoeRingOffset),
-                      reinterpret_cast<float*>(s.best), p.norm_eps};
-#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
-#if NC_ROUTER_FOLD
-    if (t.arg[2])
-      mma_tiles<1, true>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, &fold);
-    else
-#endif
-      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
     if (i < 128 && b < p.batch_size && e < kExperts) {
       p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
@@ -1144,15 +1025,7 @@ struct MoeStream {  // one lane's view of a task's weight stream: tile i of the 
   int* claimed;   // up claims (MOE_UP arg2 >= 0), else null: shared memory, the block's i-th tile at [i & 7]
   int lookahead;  // claims: tiles claimed ahead of the one being multiplied (the ring reaches that far)
   int total;      // tiles of the layer
-#if NC_MOE_COOP
-  int warp_steps;  // steps of a tile that have a chunk for this warp (steps is the block's: every warp joins each)
-#endif
 };
-#if NC_MOE_COOP
-__device__ __forceinline__ int moe_warp_steps(const MoeStream& st) { return st.warp_steps; }
-#else
-__device__ __forceinline__ int moe_warp_steps(const MoeStream& st) { return st.steps; }
-#endif
 constexpr int kClaimRing = kMoeStages + 2 <= 8 ? 8 : 16;  // a power of two
 static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts and the claims share GemmSmem.best");
 
@@ -1176,68 +1049,6 @@ __device__ __forceinline__ void moe_tile_rows(const MoeStream& st, int tile, con
   }
 }
 
-#if NC_MOE_L2_AHEAD  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): when tile i starts, tile i + 1's two
-// matrices (2 x 16 rows x K, contiguous: 128 KB up, 48 KB down) go into L2 in line order, as the LM head's prefetch
-// does (that phase reads ~90% of the read bandwidth with the same fragment loads); the ring then reads L2. Tile
-// i + 1 is known then: static shares, or the claim written after tile i - 1's product (lookahead >= 2).
-__device__ __forceinline__ void moe_prefetch_tile(const MoeStream& st, int i) {
-  const int tile = moe_tile_of(st, i);
-  if (tile < 0) return;
-  const int K = st.kind == STREAM_UP ? kHidden : kExpertWidth;
-  const bf16 *wa, *wb;
-  moe_tile_rows(st, tile, wa, wb);
-  for (int off = threadIdx.x * 128; off < 16 * K * 2; off += kThreads * 128) {
-    prefetch_l2(reinterpret_cast<const char*>(wa) + off);
-    prefetch_l2(reinterpret_cast<const char*>(wb) + off);
-  }
-}
-#define NC_MOE_AHEAD(st, i, j) \
-  if ((j) == 0) moe_prefetch_tile(st, (i) + 1);
-#else
-#define NC_MOE_AHEAD(st, i, j)
-#endif
-
-#if NC_MOE_COOP  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING): the block copies each step together
-// Step q of a tile (chunks 8j .. 8j + 7, j = q % steps: 256 k of all 32 rows, 16 KB) goes into ring slot q %
-// kMoeStages as rows of 512 B (A's 16 rows, then B's), each warp copy one row's 512 contiguous bytes (the lane-
-// private form copies 8 rows x 64 B: moe_stream_bench's NC_STREAM_PATTERN read 8 points more of the bandwidth
-// contiguously); the 16-B column u of row r sits at u ^ 4 (r & 1), so that a quarter warp's fragment reads (rows
-// g, g + 1) and a copy's writes meet no bank twice. Every warp's fragments are the lane-private form's, bit for bit.
-__device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
-  const int tile = st.steps > 0 ? moe_tile_of(st, q / st.steps) : -1;
-  if (tile >= 0) {
-    const int K = st.kind == STREAM_UP ? kHidden : kExpertWidth, j = q % st.steps;
-    const bf16 *wa, *wb;
-    moe_tile_rows(st, tile, wa, wb);
-    unsigned char* slot = reinterpret_cast<unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384;
-    const unsigned long long policy = evict_first_policy();  // NC_MOE_EVICT_FIRST=0 is not built with it
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {  // copy r of warp w: row w + 8 (r & 1) of A (r < 2) or B
-      const int piece = threadIdx.x + kThreads * r, row = (piece >> 5) & 15, u = piece & 31;
-      const bool inside = j * 8 + (u >> 2) < K / 32;  // tiny geometries: K / 32 < 8 chunks a step
-      cp_async16_all_lanes(slot + ((piece >> 9) * 16 + row) * 512 + ((u ^ ((row & 1) << 2)) << 4),
-                           inside ? (piece >> 9 ? wb : wa) + (size_t)row * K + j * 256 + u * 8 : wa, inside ? 16 : 0,
-                           policy);
-    }
-  }
-  asm volatile("cp.async.commit_group;");
-}
-
-// Steps in flight: one slot is the one every warp has just left, refilled after the step's barrier.
-constexpr int kMoeAhead = kMoeStages - 1;
-
-// This lane's fragments of step q (rows g, g + 8 of A and B at its warp's chunk) from the block's slot.
-__device__ __forceinline__ void moe_step_pieces(const MoeStream& st, int q, uint4& a_lo, uint4& a_hi, uint4& b_lo,
-                                                uint4& b_hi) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int col = ((warp * 4 + t) ^ ((g & 1) << 2)) << 4;  // rows g and g + 8 have the same swizzle
-  const unsigned char* slot = reinterpret_cast<const unsigned char*>(st.ring) + (size_t)(q % kMoeStages) * 16384 + col;
-  a_lo = *reinterpret_cast<const uint4*>(slot + g * 512);
-  a_hi = *reinterpret_cast<const uint4*>(slot + (g + 8) * 512);
-  b_lo = *reinterpret_cast<const uint4*>(slot + (g + 16) * 512);
-  b_hi = *reinterpret_cast<const uint4*>(slot + (g + 24) * 512);
-}
-#else
 // Issues step q of the lane's stream into ring slot q % kMoeStages (nothing past the end) and commits a group.
 __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
   const int tile = st.steps > 0 ? moe_tile_of(st, q / st.steps) : -1;
@@ -1257,6 +1068,7 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
 #elif NC_MOE_PACKED  // an experiment's -D: the experts repacked at load (kernel.py pack_row_blocks): in each
     // 16-row block, 32-column chunk c's 16 rows x 64 B are contiguous, so a warp copy reads 512 contiguous bytes
     // and a ring step 2 x 8 KB (the probe: fragment order 3.3 TB/s on 132 SMs, contiguous 4.5)
+    (void)K;
     const size_t lo = ((size_t)c * 16 + g) * 32 + 8 * t, hi = lo + 256;
 #else
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
@@ -1269,20 +1081,16 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
   asm volatile("cp.async.commit_group;");
 }
 
-constexpr int kMoeAhead = kMoeStages;  // steps in flight: every slot
-
 // This lane's pieces of step q (its own copies) from its slot.
 __device__ __forceinline__ void moe_step_pieces(const MoeStream& st, int q, uint4& a_lo, uint4& a_hi, uint4& b_lo,
                                                 uint4& b_hi) {
   const uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
   a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];
 }
-#endif
 
 // Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the activation
-// fragments in xa), keeping kMoeAhead steps in flight: the lane-private ring refills the slot it has just read
-// with the step kMoeStages ahead; NC_MOE_COOP first meets the block at a barrier (every thread's copies of the
-// step landed, every warp done with the previous slot) and refills that previous slot, then reads.
+// fragments in xa), kMoeStages steps in flight: the lane-private ring refills the slot it has just read with the
+// step kMoeStages ahead.
 template <int kSteps>
 __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, const uint4 (&xa)[kSteps], float (&acc)[2][4]) {
 #pragma unroll
@@ -1291,78 +1099,24 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
   for (int j = 0; j < kSteps; ++j) {
     if (j < st.steps) {
       const int q = i * st.steps + j;
-      NC_MOE_AHEAD(st, i, j)
-      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeAhead - 1) : "memory");
-#if NC_MOE_COOP
-      __syncthreads();
-      moe_issue(st, q + kMoeAhead);
-      if (j >= st.warp_steps) continue;  // no chunk of this step for the warp (it joined the barrier)
-#endif
+      asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
       uint4 a_lo, a_hi, b_lo, b_hi;
       moe_step_pieces(st, q, a_lo, a_hi, b_lo, b_hi);
       mma_piece(acc[0], a_lo, a_hi, xa[j]);
       mma_piece(acc[1], b_lo, b_hi, xa[j]);
-#if !NC_MOE_COOP
-      moe_issue(st, q + kMoeAhead);
-#endif
+      moe_issue(st, q + kMoeStages);
     }
   }
 }
 
-// Issues the stream's first kMoeAhead steps (before any wait where the weights are already known).
+// Issues the stream's first kMoeStages steps (before any wait where the weights are already known).
 __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
-  for (int q = 0; q < kMoeAhead; ++q) moe_issue(st, q);
+  for (int q = 0; q < kMoeStages; ++q) moe_issue(st, q);
 }
-
-#if NC_TOPK_LOCAL
-// Each row's k experts and weights, kept for a MoE task's whole run (after the ring: the products' memory is reused).
-struct RouteTable {
-  int expert[kMaxBatch][kTopK];
-  float weight[kMaxBatch][kTopK];
-};
-__device__ __forceinline__ RouteTable* route_table(unsigned char* smem) {
-  return reinterpret_cast<RouteTable*>(smem + kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16);
-}
-
-// The layer's top-k in this block, from the router logits: the slots' experts into experts[0, slots) and the rows'
-// choices into routes; returns the number of slots. Block 0 counts the layer's experts for the byte count (every
-// block's topk_row writes the same p.routed). Its TopkSmem is the products' memory (free before the first tile).
-// A block's up and down tasks each run it: shared memory is not kept between them (COMBINE may run in between),
-// and the down task's selection (~1 us) overlaps the wait for its slots' up tiles.
-__device__ int local_topk(const Params& p, int layer, unsigned char* smem, int* experts, RouteTable* routes) {
-  static_assert(sizeof(TopkSmem) <= offsetof(GemmSmem, best), "local top-k: its memory is not the experts' list");
-  TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
-  int slot, total;
-  if (topk_slots(p, layer, s, slot, total)) experts[slot] = threadIdx.x;
-  if (threadIdx.x < kMaxBatch * kTopK) {
-    const int b = threadIdx.x / kTopK, k = threadIdx.x % kTopK;
-    routes->expert[b][k] = b < p.batch_size ? s.expert[b][k] : -1;
-    routes->weight[b][k] = b < p.batch_size ? s.weight[b][k] : 0.f;
-  }
-  if (threadIdx.x == 0 && blockIdx.x == 0) p.expert_counts[layer] = total;
-  __syncthreads();
-  return total;
-}
-
-// Row b's routing weight of expert e (0 when the row did not choose it).
-__device__ __forceinline__ float routed_weight(const RouteTable* routes, int e, int b) {
-  float w = 0.f;
-#pragma unroll
-  for (int k = 0; k < kTopK; ++k)
-    if (routes->expert[b][k] == e) w = routes->weight[b][k];
-  return w;
-}
-#endif
 
 __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
   const int warp = threadIdx.x >> 5, nchunk = (up ? kHidden : kExpertWidth) / 32;
-#if NC_TOPK_LOCAL
-  const bool local = (up ? t.arg[4] : t.arg[2]) != 0;
-  int slots = local ? 0 : __ldcg(p.moe_slots);
-  const int blocks = p.num_blocks;
-#else
   const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks;
-#endif
   const int rank = blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
   // claims (MOE_UP arg2 >= 0): the block's first `lookahead` tiles from the layer's counter, the atomic in flight
@@ -1372,11 +1126,6 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   unsigned claim_base = 0;
   if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + t.arg[2], (unsigned)lookahead);
   __syncthreads();  // the previous user of this memory is done
-#if NC_TOPK_LOCAL
-  if (local)
-    slots = local_topk(p, t.layer, smem, experts, route_table(smem));
-  else
-#endif
   for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
   if (claims && threadIdx.x == 0) {
     const int total = slots * kUpTilesPerSlot, base = claimer ? (int)claim_base : total;
@@ -1387,10 +1136,6 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
                reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * kUpTilesPerSlot};
   static_assert(kMoeStages + 2 <= kClaimRing, "claims: tiles i .. i + lookahead (<= kMoeStages + 1) fit the ring");
-#if NC_MOE_COOP  // the block's steps: every warp joins each step's barrier, with a chunk or without
-  st.warp_steps = st.steps;
-  st.steps = (nchunk + kWarps - 1) / kWarps;
-#endif
   if (claims) {
     st.claimed = experts + kExperts;
   } else if (up) {  // round-robin over all but the last t.arg[0] blocks (they run the combine: combine_apart)
@@ -1413,7 +1158,7 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   uint4 xa[kUpSteps];  // this lane's pieces of h row g at its warp's chunks (the same for every tile)
 #pragma unroll
   for (int j = 0; j < kUpSteps; ++j)
-    xa[j] = g < p.batch_size && j < moe_warp_steps(st)
+    xa[j] = g < p.batch_size && j < st.steps
                 ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq)
                 : make_uint4(0, 0, 0, 0);
   for (int i = 0;; ++i) {
@@ -1454,15 +1199,9 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
       const bf16* act = p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth;
 #pragma unroll
       for (int j = 0; j < kDownSteps; ++j)
-        xa[j] = g < p.batch_size && j < moe_warp_steps(st)
+        xa[j] = g < p.batch_size && j < st.steps
                     ? load_act16(act + (size_t)g * kExpertWidth + (warp + kWarps * j) * 32 + 8 * tq)
                     : make_uint4(0, 0, 0, 0);
-#if NC_TOPK_LOCAL
-      if (t.arg[2])
-        weight = (threadIdx.x & 7) < p.batch_size
-                     ? routed_weight(route_table(smem), st.experts[slot], threadIdx.x & 7) : 0.f;
-      else
-#endif
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
       loaded = slot;
     }
@@ -1850,17 +1589,8 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 
 // Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
-#if NC_TOPK_LOCAL
-constexpr size_t kMoeTaskSmemBytes = kMoeSmemBytes + sizeof(RouteTable);  // the rows' choices after the ring
-#else
-constexpr size_t kMoeTaskSmemBytes = kMoeSmemBytes;
-#endif
-constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeTaskSmemBytes, sizeof(TopkSmem)),
+constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
-#if NC_ROUTER_FOLD
-static_assert(kMoeRingOffset + (kHidden / 32 + kWarps - 1) / kWarps * 3 * kThreads * 16 <= kBaseSmemBytes,
-              "FoldNorm.stage: in every launch's shared memory");
-#endif
 
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";

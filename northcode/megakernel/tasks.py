@@ -206,11 +206,11 @@ class _WaveMaker:
 
 
 def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
-                     num_splits: int, combine_mode: str = "plain", attn_mode: str = "plain",
-                     oproj_waits: tuple = ()) -> tuple[list, tuple[int, int]]:
-    """One layer's QKV, ATTN (placed as attn_mode says), COMBINE (as combine_mode says) and OPROJ waves (o_proj
-    also waits for oproj_waits); also allocates the layer's MLP counter (returned with the o_proj counter:
-    (oproj_done, mlp_done)), in the counters' reference order."""
+                     num_splits: int, combine_mode: str = "plain",
+                     attn_mode: str = "plain") -> tuple[list, tuple[int, int]]:
+    """One layer's QKV, ATTN (placed as attn_mode says), COMBINE (as combine_mode says) and OPROJ waves; also
+    allocates the layer's MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters'
+    reference order."""
     batch, kvh = m.batch, m.kvh
     qkv_done = counters.alloc(kvh)
     qkv_args = ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer)))
@@ -224,31 +224,22 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
     combine = m.wave(combine_mode, TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
                      (((attn_done, m.heads), num_splits),), combine_done)
     oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, ((0, m.arange(m.oproj_tiles)), 1),
-                   ((combine_done, batch * kvh),) + oproj_waits, oproj_done)
+                   ((combine_done, batch * kvh),), oproj_done)
     return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
 
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
                  order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False,
-                 moe_fused: bool = False, attention_blocks: int = 0, router_fold: bool = False,
-                 topk_local: bool = False) -> tuple[list, tuple]:
+                 moe_fused: bool = False, attention_blocks: int = 0) -> tuple[list, tuple]:
     """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on.
-    attention_blocks: a sparse layer's ATTN tasks on the last that many blocks, which take no MoE up tile.
-    router_fold: after layer 0, a sparse layer's router folds the norm into its product (ROUTER arg2 = 1, the
-    kernel's NC_ROUTER_FOLD build) and waits for the previous layer instead of NORM; the MoE tasks, which read
-    NORM's h, then wait for NORM, and o_proj waits for the router too (both add into the x the router reads).
-    topk_local: no TOPK task; the MoE tasks select the experts themselves (MOE_UP arg4, MOE_DOWN arg2; the kernel's
-    NC_TOPK_LOCAL build) and wait for the routers instead."""
-    fold = router_fold and bool(previous) and not c.is_dense(layer)
-    router_tiles = math.ceil(c.num_experts / 16)
-    early_router_done = counters.alloc() if fold else -1  # o_proj's wait needs it before the attention waves
+    attention_blocks: a sparse layer's ATTN tasks on the last that many blocks, which take no MoE up tile."""
     norm_done = counters.alloc()
     norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
     apart = combine_blocks_apart(c, m.batch, num_blocks, combine_apart and not c.is_dense(layer))
     attn_blocks = 0 if c.is_dense(layer) else min(attention_blocks, num_blocks // 2)  # half the blocks stream up tiles
     (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(
         c, layer, m, counters, norm_done, num_splits, "last" if apart else "plain",
-        f"tail:{attn_blocks}" if attn_blocks else "plain", ((early_router_done, router_tiles),) if fold else ())
+        f"tail:{attn_blocks}" if attn_blocks else "plain")
     no_up = max(apart, attn_blocks)  # the last blocks that take no up tile
     oproj_tiles = oproj.n
     if c.is_dense(layer):
@@ -259,33 +250,27 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
         down = m.wave("plain", TaskType.DENSE_DOWN, layer, down_tiles, ((0, m.arange(down_tiles)), 1),
                       ((up_done, up_tiles),), mlp_done)
         return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
-    router_done = early_router_done if fold else counters.alloc()
-    topk_done = -1 if topk_local else counters.alloc()
+    router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
+    router_tiles = math.ceil(c.num_experts / 16)
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
-    router_args = ((0, m.arange(router_tiles)), 1) + ((1,) if fold else ())
-    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args,
-                    previous if fold else ((norm_done, m.batch),), router_done)
-    # the MoE tasks read the top-k's slots, or (topk_local) the routers' logits; and NORM's h (router_fold)
-    moe_waits = ((router_done, router_tiles),) if topk_local else ((topk_done, 1),)
-    moe_waits += ((norm_done, m.batch),) if fold else ()
-    topk = [] if topk_local else [m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),),
-                                         topk_done)]
+    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)), 1),
+                    ((norm_done, m.batch),), router_done)
+    moe_waits = ((topk_done, 1),)  # the MoE tasks read the top-k's slots
+    topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
     # arg0: the last blocks that take no up tile (combine_apart, attention_blocks); arg1: the first "slot done"
     # counter; arg2: the counter up tiles are claimed from (up_claims), or -1: static round-robin shares; arg3: 1
     # when the block's down share follows in the same task (moe_fused, for the kernel's NC_LEAN_FUSED build: one
     # task boundary less; COMBINE then goes before it)
     if moe_fused:
         up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim, 1), moe_waits, mlp_done)
-        return [norm, router, *topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
-    up_args = (no_up, slot_done, claim) + ((0, 1) if topk_local else ())  # arg4: the local top-k
-    up = m.wave("each", TaskType.MOE_UP, layer, 1, up_args, moe_waits)
-    down_args = (0, slot_done) + ((1,) if topk_local else ())  # arg2: the local top-k
-    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, down_args, moe_waits, mlp_done)
+        return [norm, router, topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim), moe_waits)
+    down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), moe_waits, mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
-    return [norm, router, *topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
 
 
 def combine_blocks_apart(config: ModelConfig, batch: int, num_blocks: int, wanted: bool) -> int:
@@ -337,7 +322,7 @@ def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> i
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
                    up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
-                   attention_blocks: int = 0, router_fold: bool = False, topk_local: bool = False) -> Schedule:
+                   attention_blocks: int = 0) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
@@ -346,22 +331,18 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     block's up and down shares in one task, after COMBINE (the order is then fixed; the kernel's NC_LEAN_FUSED build
     only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
     (one_round_q_tiles). attention_blocks (0: off): a sparse layer's attention splits only on the last that many
-    blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. router_fold: the
-    routers after layer 0 fold the norm and wait for the previous layer (the kernel's NC_ROUTER_FOLD build).
-    topk_local: the MoE tasks select the experts themselves, no TOPK task (the kernel's NC_TOPK_LOCAL build). Waves are
+    blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and place_waves
     per task took 0.1-0.2 s, a stall for every new batch size).
     """
     assert order in WAVE_ORDERS, order
-    assert not (moe_fused and (router_fold or topk_local)), "moe_fused runs on another kernel build"
     q_tiles = one_round_q_tiles(config, num_blocks, qkv_tiles) if qkv_one_round else qkv_tiles
     c, m, counters = config, _WaveMaker(config, batch, qkv_tiles, q_tiles), _Counters()
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
         layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             combine_apart, up_claims, moe_fused, attention_blocks, router_fold,
-                                             topk_local)
+                                             combine_apart, up_claims, moe_fused, attention_blocks)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))

@@ -23,10 +23,10 @@ DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT
 @dataclass(frozen=True, slots=True)
 class Variant:
     """How one decode step is run: Params.flags, the attention ring's stages, build_schedule's options, and
-    (lean_fused, router_fold, topk_local) the kernel's build. Variants share the default's build where they can
-    (run 4: a second kernel's code generation cost more than its ideas gained); these cannot: as run-time flags
-    the lean dispatch slowed the default by 7% (docs/performance.md, day 3 session 2), so a variant's code that
-    the default does not run is compiled only into the variant's build (build_defines)."""
+    (lean_fused) the kernel's build. Variants share the default's build where they can (run 4: a second kernel's
+    code generation cost more than its ideas gained); lean-fused cannot: as run-time flags the lean dispatch slowed
+    the default by 7% (docs/performance.md, day 3 session 2), so a variant's code that the default does not run is
+    compiled only into the variant's build (build_defines)."""
 
     flags: int = DEFAULT_FLAGS
     kv_stages: int = 3
@@ -38,20 +38,16 @@ class Variant:
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
     attention_blocks: int = 0  # a sparse layer's attention on the last that many blocks, which take no MoE up tile
     max_splits: int = 32  # KV splits per (row, head) at most (tasks.attention_splits; 32 is the kernel's MAX_SPLITS)
-    router_fold: bool = False  # the NC_ROUTER_FOLD build: the routers fold the norm and do not wait for NORM
-    topk_local: bool = False  # the NC_TOPK_LOCAL build: the MoE tasks select the experts themselves (no TOPK task)
 
     def schedule_options(self) -> dict:
         """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
         return dict(order=self.wave_order, qkv_tiles=self.qkv_tiles, combine_apart=self.combine_apart,
                     up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round,
-                    attention_blocks=self.attention_blocks, router_fold=self.router_fold, topk_local=self.topk_local)
+                    attention_blocks=self.attention_blocks)
 
     def build_defines(self) -> dict[str, int]:
         """The -D defines of the kernel build this variant runs on (empty: the default's build)."""
-        builds = (("NC_LEAN_FUSED", self.lean_fused), ("NC_ROUTER_FOLD", self.router_fold),
-                  ("NC_TOPK_LOCAL", self.topk_local))
-        return {name: 1 for name, wanted in builds if wanted}
+        return {"NC_LEAN_FUSED": 1} if self.lean_fused else {}
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -63,9 +59,6 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
     **{f"attention-{n}": Variant(attention_blocks=n) for n in (32, 48, 64, 96)},  # day 3 session 3: +3 to +28%
-    "router-fold": Variant(router_fold=True),  # its own build; day 3 session 3, not yet run
-    "topk-local": Variant(topk_local=True),  # its own build; day 3 session 3, not yet run
-    "fold-topk-local": Variant(router_fold=True, topk_local=True),  # both builds' defines; not yet run
     **{f"splits-{n}": Variant(max_splits=n) for n in (2, 4, 8, 16)},  # caps; run 59 made half the SMs the default
     "no-prefetch": Variant(flags=0),
     "prefetch-both": Variant(flags=DEFAULT_FLAGS | FLAG_PREFETCH_NEXT),

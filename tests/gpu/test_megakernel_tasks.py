@@ -178,19 +178,14 @@ def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
     assert rel_err(kernel.x - x, ref) < REL_TOL
 
 
-@pytest.mark.parametrize("selection", ["topk-task", "local"])
-def test_router_topk_and_routed_experts(geometry: str, selection: str) -> None:
+def test_router_topk_and_routed_experts(geometry: str) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
     and the routed experts' output match the reference computed with the kernel's choice (flags as
-    $NC_VARIANT sets them). local: no TOPK task, the MoE tasks select the experts themselves (MOE_UP arg4,
-    MOE_DOWN arg2: the topk-local build only, NC_VARIANT=topk-local); the slots stay in shared memory."""
+    $NC_VARIANT sets them)."""
     from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
 
     variant = VARIANTS[variant_from_env()]
-    local = selection == "local"
-    if local and not variant.topk_local:
-        pytest.skip("the default's build has no local top-k: NC_VARIANT=topk-local runs this")
     config, weights, model, cache, kernel = env(geometry)
     layer = 3
     h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
@@ -201,26 +196,22 @@ def test_router_topk_and_routed_experts(geometry: str, selection: str) -> None:
     # 3 unused, 4.. slot done
     claims = 2 if variant.up_claims else -1
     routers = [make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)]
-    if local:
-        waves = [routers, ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims, 0, 1), ((0, router_tiles),))),
-                 ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4, 1), ((0, router_tiles),)))]
-    else:
-        waves = [routers, [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
-                 ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
-                 ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
+    waves = [routers, [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
+             ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
+             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.expert_counts.zero_()
     kernel.router_logits.zero_()
     kernel.slot_weight.fill_(float("nan"))  # every (slot, row) the step uses must be written
     run(kernel, waves, num_counters=4 + config.num_experts)
-    check_routed_experts(geometry, layer, h, x, slots_written=not local)
+    check_routed_experts(geometry, layer, h, x)
 
 
-def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Tensor, slots_written: bool) -> None:
-    """After a layer's router and MoE tasks on h [8, H] (residual x before): the logits, the chosen experts (the
-    top-k of the kernel's own logits), the expert count, the slots and their weights (where a TOPK task wrote
-    them) and the residual's change against the reference experts with the kernel's choice."""
+def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Tensor) -> None:
+    """After a layer's router, TOPK and MoE tasks on h [8, H] (residual x before): the logits, the chosen experts
+    (the top-k of the kernel's own logits), the expert count, the slots and their weights, and the residual's change
+    against the reference experts with the kernel's choice."""
     from northcode.bench.decode_oracle import route_weights
     from northcode.model.model import run_experts
 
@@ -239,37 +230,15 @@ def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Te
             f"row {b}: experts {chosen[b].tolist()} are not the top-{k} of the kernel's logits"
     assert int(kernel.expert_counts[layer]) == len(set(chosen.flatten().tolist()))
     weights_ref = route_weights(logits_ref, chosen, config)  # [8, k] for the kernel's choice
-    if slots_written:
-        num_slots = int(kernel.moe_slots[0])
-        slots = kernel.moe_slots[1:1 + num_slots].tolist()
-        assert slots == sorted(set(chosen.flatten().tolist()))
-        for b in range(8):
-            for j in range(k):
-                slot = slots.index(int(chosen[b, j]))
-                assert abs(float(kernel.slot_weight[slot, b]) - float(weights_ref[b, j])) < 1e-2
+    num_slots = int(kernel.moe_slots[0])
+    slots = kernel.moe_slots[1:1 + num_slots].tolist()
+    assert slots == sorted(set(chosen.flatten().tolist()))
+    for b in range(8):
+        for j in range(k):
+            slot = slots.index(int(chosen[b, j]))
+            assert abs(float(kernel.slot_weight[slot, b]) - float(weights_ref[b, j])) < 1e-2
     ref = run_experts(h, lw.experts_gate_up, lw.experts_down, chosen, weights_ref)
     assert rel_err(kernel.x - x, ref) < 2 * REL_TOL
-
-
-def test_router_fold_normalises_the_residual_itself(geometry: str) -> None:
-    """The router-fold build (variant router-fold): ROUTER tasks with arg2 set fold the layer's norm of the residual
-    x into their product, with no NORM task before them: their logits match the reference router on norm(bf16(x))
-    (within the bf16 tolerance: the fold rounds once less than NORM's h), h is not read and x is not written."""
-    from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
-    from northcode.model.model import norm
-
-    if not VARIANTS[variant_from_env()].router_fold:
-        pytest.skip("the default's build has no router fold: NC_VARIANT=router-fold runs this")
-    config, weights, model, cache, kernel = env(geometry)
-    layer = next(i for i in range(1, config.num_hidden_layers) if not config.is_dense(i))
-    x = torch.randn(8, config.hidden_size, device="cuda") * 3
-    kernel.x.copy_(x)
-    kernel.h.fill_(float("nan"))  # must not be read
-    kernel.router_logits.zero_()
-    run(kernel, [[make_task(TaskType.ROUTER, layer, (t, 1, 1)) for t in range(-(-config.num_experts // 16))]])
-    assert torch.equal(kernel.x, x), "the router's fold wrote the residual"
-    h = norm(x.to(torch.bfloat16), model.layers[layer].input_norm, config)
-    assert rel_err(kernel.router_logits, F.linear(h, model.layers[layer].router).float()) < REL_TOL
 
 
 def test_dense_mlp(geometry: str) -> None:
