@@ -1009,6 +1009,19 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 #define NC_MOE_STAGES 6
 #endif
 constexpr int kMoeStages = NC_MOE_STAGES;
+// NC_MOE_ROWSEG (an experiment's -D): an up step reads one matrix's 16 rows x 1 KB (512 columns: chunks 16s + 2w
+// and 16s + 2w + 1 for warp w at the matrix's step s) instead of both matrices' 16 rows x 512 B, so that a step's
+// pieces of each row are twice as long (tools/probes/sm_stream_probe.cu: rows1k against frag); the same four
+// 16-B copies per lane, the same products. Needs H a multiple of 512 (the tiny geometries keep the default order).
+#ifndef NC_MOE_ROWSEG
+#define NC_MOE_ROWSEG 0
+#endif
+constexpr bool kUpRowSeg = NC_MOE_ROWSEG && kHidden % 512 == 0;
+constexpr int kRowSegSteps = kHidden / 512;  // kUpRowSeg: steps per matrix of an up tile (4 at H = 2048)
+// The k-chunk of this warp's j-th activation piece of an up tile.
+__device__ __forceinline__ int up_chunk(int j, int warp) {
+  return kUpRowSeg ? 16 * (j >> 1) + 2 * warp + (j & 1) : warp + kWarps * j;
+}
 constexpr int kUpTilesPerSlot = kExpertWidth / 16;
 constexpr int kDownTilesPerSlot = kHidden / 32;
 constexpr int kUpSteps = (kHidden / 32 + kWarps - 1) / kWarps;         // k-chunks per warp of an up tile
@@ -1073,10 +1086,20 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
 #else
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
 #endif
-    NC_MOE_COPY(slot, wa + lo);
-    NC_MOE_COPY(slot + kThreads, wa + hi);
-    NC_MOE_COPY(slot + 2 * kThreads, wb + lo);
-    NC_MOE_COPY(slot + 3 * kThreads, wb + hi);
+    if (kUpRowSeg && st.kind == STREAM_UP) {  // step j: matrix j / S, chunks up_chunk(2 (j % S)) and the next
+      const int j = q % st.steps;
+      const bf16* w = j < kRowSegSteps ? wa : wb;
+      const size_t lo0 = (size_t)g * K + up_chunk(2 * (j % kRowSegSteps), warp) * 32 + 8 * t, hi0 = lo0 + (size_t)8 * K;
+      NC_MOE_COPY(slot, w + lo0);
+      NC_MOE_COPY(slot + kThreads, w + hi0);
+      NC_MOE_COPY(slot + 2 * kThreads, w + lo0 + 32);
+      NC_MOE_COPY(slot + 3 * kThreads, w + hi0 + 32);
+    } else {
+      NC_MOE_COPY(slot, wa + lo);
+      NC_MOE_COPY(slot + kThreads, wa + hi);
+      NC_MOE_COPY(slot + 2 * kThreads, wb + lo);
+      NC_MOE_COPY(slot + 3 * kThreads, wb + hi);
+    }
   }
   asm volatile("cp.async.commit_group;");
 }
@@ -1091,7 +1114,7 @@ __device__ __forceinline__ void moe_step_pieces(const MoeStream& st, int q, uint
 // Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the activation
 // fragments in xa), kMoeStages steps in flight: the lane-private ring refills the slot it has just read with the
 // step kMoeStages ahead.
-template <int kSteps>
+template <int kSteps, bool kRowSeg = false>  // kRowSeg: kUpRowSeg's up steps (step j feeds matrix j / S)
 __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, const uint4 (&xa)[kSteps], float (&acc)[2][4]) {
 #pragma unroll
   for (int n = 0; n < 2; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -1102,8 +1125,13 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
       asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
       uint4 a_lo, a_hi, b_lo, b_hi;
       moe_step_pieces(st, q, a_lo, a_hi, b_lo, b_hi);
-      mma_piece(acc[0], a_lo, a_hi, xa[j]);
-      mma_piece(acc[1], b_lo, b_hi, xa[j]);
+      if constexpr (kRowSeg) {  // rows g, g + 8 of one matrix at two chunks (xa's pieces 2 (j % S), + 1)
+        mma_piece(acc[j / kRowSegSteps], a_lo, a_hi, xa[2 * (j % kRowSegSteps)]);
+        mma_piece(acc[j / kRowSegSteps], b_lo, b_hi, xa[2 * (j % kRowSegSteps) + 1]);
+      } else {
+        mma_piece(acc[0], a_lo, a_hi, xa[j]);
+        mma_piece(acc[1], b_lo, b_hi, xa[j]);
+      }
       moe_issue(st, q + kMoeStages);
     }
   }
@@ -1159,7 +1187,7 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
 #pragma unroll
   for (int j = 0; j < kUpSteps; ++j)
     xa[j] = g < p.batch_size && j < st.steps
-                ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq)
+                ? load_act16(p.h + (size_t)g * kHidden + up_chunk(j, warp) * 32 + 8 * tq)
                 : make_uint4(0, 0, 0, 0);
   for (int i = 0;; ++i) {
     const int tile = moe_tile_of(st, i);
@@ -1170,7 +1198,7 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
     unsigned claim = 0;
     if (claiming) claim = atomicAdd(p.counters + t.arg[2], 1u);
     float acc[2][4];
-    moe_tile_product<kUpSteps>(st, i, xa, acc);
+    moe_tile_product<kUpSteps, kUpRowSeg>(st, i, xa, acc);
     if (claiming) st.claimed[(i + st.lookahead) & (kClaimRing - 1)] = (int)claim < st.total ? (int)claim : -1;
     reduce_warps<2>(acc, s.red, s.out);
     const int slot = tile / kUpTilesPerSlot, ch = tile % kUpTilesPerSlot;

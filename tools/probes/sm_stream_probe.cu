@@ -1,11 +1,12 @@
 // How fast can one SM stream weights, and by which copy? A research probe, not part of northcode (the product's one
 // CUDA file is northcode/csrc/megakernel.cu). Each of N blocks (one per SM: the shared memory allows no second)
 // streams its own 8 MB into a shared-memory ring and reads every byte; the table gives GB/s per SM and TB/s in all,
-// for N = 1 .. all SMs, by five ways of copying:
+// for N = 1 .. all SMs, by seven ways of copying:
 //   ldg        plain 16-B loads into registers, 8 in flight per thread (the read-bandwidth kernels' way)
 //   frag       cp.async 16 B per lane in the megakernel's MoE fragment order (rows g, g+8 of two 16-row matrices,
 //              K = 2048, the warp's 32-column chunk: 8 pieces of 64 B per warp copy), 6 x 16 KB in flight
 //   contig     cp.async 16 B per lane, a warp copy 512 contiguous bytes, 6 x 16 KB in flight
+//   rows1k     as frag, but a step reads 16 rows x 1 KB (rows2k: 8 rows x 2 KB) of the tile's 4 KB rows
 //   bulk512    cp.async.bulk (the copy engine) on an mbarrier per stage: 32 copies of 512 B a stage (warp 0's
 //              lanes), 6 x 16 KB in flight, a block barrier per stage before its refill
 //   bulk16k    the same with one 16 KB copy a stage
@@ -37,14 +38,17 @@ __global__ void __launch_bounds__(kThreads, 1) ldg_kernel(const uint4* src, unsi
   for (int q = 0; q < kSteps; q += 2) {  // two stages' 16 B pieces per thread: 8 loads in flight
     uint4 v[8];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) v[u] = __ldcs(base + (size_t)(q + u / 4) * (kStep / 16) + (u % 4) * kThreads + threadIdx.x);
+    for (int u = 0; u < 8; ++u)
+      v[u] = __ldcs(base + (size_t)(q + u / 4) * (kStep / 16) + (u % 4) * kThreads + threadIdx.x);
 #pragma unroll
     for (int u = 0; u < 8; ++u) acc ^= fold(v[u]);
   }
   out[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
-// frag (pattern 0) and contig (pattern 1): the per-lane ring of the megakernel's default MoE stream.
+// frag (pattern 0) and contig (pattern 1): the per-lane ring of the megakernel's default MoE stream; patterns
+// 1024, 2048: a step reads 16 KB as 16 rows x 1 KB or 8 rows x 2 KB of the 4 KB rows (a warp copy 512 contiguous
+// bytes), between frag's 32 rows x 512 B and contig's 4 whole rows: how long must a row's piece be?
 template <int kPattern>
 __global__ void __launch_bounds__(kThreads, 1) ldgsts_kernel(const unsigned char* src, unsigned* out) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -54,7 +58,8 @@ __global__ void __launch_bounds__(kThreads, 1) ldgsts_kernel(const unsigned char
   auto issue = [&](int q) {
     if (q < kSteps) {
       uint4* slot = ring + (size_t)(q % kStages) * 4 * kThreads + threadIdx.x;
-      if (kPattern == 0) {  // tile = two 16-row matrices of K = 2048 bf16 (64 KB each); step j: chunk warp + 8j
+      if constexpr (kPattern == 0) {  // tile = two 16-row matrices of K = 2048 bf16 (64 KB each); step j: chunk
+        // warp + 8j
         const int tile = q / 8, j = q % 8, K = 2048, c = warp + 8 * j;
         const unsigned char* wa = base + (size_t)tile * 131072;
         const unsigned char* wb = wa + 65536;
@@ -63,10 +68,19 @@ __global__ void __launch_bounds__(kThreads, 1) ldgsts_kernel(const unsigned char
         cp_async16(slot + kThreads, wa + hi);
         cp_async16(slot + 2 * kThreads, wb + lo);
         cp_async16(slot + 3 * kThreads, wb + hi);
-      } else {
+      } else if constexpr (kPattern == 1) {
         const unsigned char* s = base + (size_t)q * kStep + threadIdx.x * 16;
 #pragma unroll
         for (int r = 0; r < 4; ++r) cp_async16(slot + r * kThreads, s + r * 4096);
+      } else {  // tile = 32 rows of 4 KB; step j: rows (j / per) * rows_a_step .., bytes (j % per) * kPattern ..
+        constexpr int kRows = kStep / kPattern, kPer = 4096 / kPattern;  // rows a step, steps a row band
+        const int tile = q / 8, j = q % 8;
+        const unsigned char* band = base + (size_t)tile * 131072 + (size_t)(j / kPer) * kRows * 4096;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int piece = threadIdx.x + kThreads * r, row = piece / (kPattern / 16), u = piece % (kPattern / 16);
+          cp_async16(slot + r * kThreads, band + (size_t)row * 4096 + (j % kPer) * kPattern + u * 16);
+        }
       }
     }
     asm volatile("cp.async.commit_group;");
@@ -145,9 +159,11 @@ int main() {
   const int smem = 120 * 1024;  // one block per SM whatever the kernel
   struct Way { const char* name; const void* fn; };
   const Way ways[] = {{"ldg", (const void*)ldg_kernel}, {"frag", (const void*)ldgsts_kernel<0>},
-                      {"contig", (const void*)ldgsts_kernel<1>}, {"bulk512", (const void*)bulk_kernel<32>},
+                      {"contig", (const void*)ldgsts_kernel<1>}, {"rows1k", (const void*)ldgsts_kernel<1024>},
+                      {"rows2k", (const void*)ldgsts_kernel<2048>}, {"bulk512", (const void*)bulk_kernel<32>},
                       {"bulk16k", (const void*)bulk_kernel<1>}};
-  for (const Way& w : ways) check(cudaFuncSetAttribute(w.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), w.name);
+  for (const Way& w : ways)
+    check(cudaFuncSetAttribute(w.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), w.name);
   const int counts[] = {1, 4, 16, 33, 66, 99, sms};
   cudaEvent_t a, b;
   cudaEventCreate(&a);
