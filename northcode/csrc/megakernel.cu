@@ -1026,6 +1026,19 @@ constexpr int kUpTilesPerSlot = kExpertWidth / 16;
 constexpr int kDownTilesPerSlot = kHidden / 32;
 constexpr int kUpSteps = (kHidden / 32 + kWarps - 1) / kWarps;         // k-chunks per warp of an up tile
 constexpr int kDownSteps = (kExpertWidth / 32 + kWarps - 1) / kWarps;  // ... of a down tile
+// NC_MOE_DOWNROWS (an experiment's -D): a down step is one matrix's 16 whole rows (24 KB contiguous at I = 768:
+// warp w's chunks 3w .. 3w + 2, six 16-B copies per lane), two steps a tile, in 24-KB slots (4 in the ring's
+// 96 KB), instead of both matrices' 16 rows x 512 B: the down stream reads as the packed experts did (runs 70-74).
+// Needs I / 32 a multiple of the warps (the tiny geometries keep the default order).
+#ifndef NC_MOE_DOWNROWS
+#define NC_MOE_DOWNROWS 0
+#endif
+constexpr bool kDownRows = NC_MOE_DOWNROWS && (kExpertWidth / 32) % kWarps == 0;
+constexpr int kDownRowPieces = 2 * kDownSteps;  // kDownRows: 16-B copies per lane a step (rows g, g + 8 x chunks)
+constexpr int kDownRowStages = kMoeStages * 4 / kDownRowPieces;  // kDownRows: slots in the ring's memory
+static_assert(!kDownRows || kDownRowStages >= 2, "NC_MOE_DOWNROWS: the ring holds fewer than two down steps");
+// The k-chunk of this warp's j-th activation piece of a down tile.
+__device__ __forceinline__ int down_chunk(int j, int warp) { return kDownRows ? kDownSteps * warp + j : warp + kWarps * j; }
 constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
 
 enum StreamKind : int { STREAM_DOWN = 0, STREAM_UP = 1 };
@@ -1086,7 +1099,16 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
 #else
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
 #endif
-    if (kUpRowSeg && st.kind == STREAM_UP) {  // step j: matrix j / S, chunks up_chunk(2 (j % S)) and the next
+    if (kDownRows && st.kind == STREAM_DOWN) {  // step j: matrix j's 16 rows, chunks down_chunk(0 .. kDownSteps)
+      const bf16* w = q % st.steps ? wb : wa;
+      uint4* row_slot = st.ring + (size_t)(q % kDownRowStages) * kDownRowPieces * kThreads + threadIdx.x;
+#pragma unroll
+      for (int u = 0; u < kDownSteps; ++u) {
+        const size_t lo_u = (size_t)g * K + down_chunk(u, warp) * 32 + 8 * t;
+        NC_MOE_COPY(row_slot + 2 * u * kThreads, w + lo_u);
+        NC_MOE_COPY(row_slot + (2 * u + 1) * kThreads, w + lo_u + (size_t)8 * K);
+      }
+    } else if (kUpRowSeg && st.kind == STREAM_UP) {  // step j: matrix j / S, chunks up_chunk(2 (j % S)) and the next
       const int j = q % st.steps;
       const bf16* w = j < kRowSegSteps ? wa : wb;
       const size_t lo0 = (size_t)g * K + up_chunk(2 * (j % kRowSegSteps), warp) * 32 + 8 * t, hi0 = lo0 + (size_t)8 * K;
@@ -1137,9 +1159,26 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
   }
 }
 
-// Issues the stream's first kMoeStages steps (before any wait where the weights are already known).
+// kDownRows' tile product: step j (matrix j) from its 24-KB slot, kDownRowStages steps in flight.
+__device__ __forceinline__ void moe_down_rows_product(const MoeStream& st, int i, const uint4 (&xa)[kDownSteps],
+                                                      float (&acc)[2][4]) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int q = i * 2 + j;
+    asm volatile("cp.async.wait_group %0;" ::"n"(kDownRowStages - 1) : "memory");
+    const uint4* slot = st.ring + (size_t)(q % kDownRowStages) * kDownRowPieces * kThreads + threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < kDownSteps; ++u) mma_piece(acc[j], slot[2 * u * kThreads], slot[(2 * u + 1) * kThreads], xa[u]);
+    moe_issue(st, q + kDownRowStages);
+  }
+}
+
+// Issues the stream's first steps, as many as its ring holds (before any wait where the weights are known).
 __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
-  for (int q = 0; q < kMoeStages; ++q) moe_issue(st, q);
+  const int stages = kDownRows && st.kind == STREAM_DOWN ? kDownRowStages : kMoeStages;
+  for (int q = 0; q < stages; ++q) moe_issue(st, q);
 }
 
 __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* smem, bool up) {
@@ -1164,6 +1203,7 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
                reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * kUpTilesPerSlot};
   static_assert(kMoeStages + 2 <= kClaimRing, "claims: tiles i .. i + lookahead (<= kMoeStages + 1) fit the ring");
+  if (kDownRows && !up) st.steps = 2;  // one step a matrix (every warp has chunks in both)
   if (claims) {
     st.claimed = experts + kExperts;
   } else if (up) {  // round-robin over all but the last t.arg[0] blocks (they run the combine: combine_apart)
@@ -1227,14 +1267,17 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
       const bf16* act = p.moe_act + (size_t)slot * kMaxBatch * kExpertWidth;
 #pragma unroll
       for (int j = 0; j < kDownSteps; ++j)
-        xa[j] = g < p.batch_size && j < st.steps
-                    ? load_act16(act + (size_t)g * kExpertWidth + (warp + kWarps * j) * 32 + 8 * tq)
+        xa[j] = g < p.batch_size && (kDownRows || j < st.steps)
+                    ? load_act16(act + (size_t)g * kExpertWidth + down_chunk(j, warp) * 32 + 8 * tq)
                     : make_uint4(0, 0, 0, 0);
       weight = (threadIdx.x & 7) < p.batch_size ? __ldcg(p.slot_weight + slot * kMaxBatch + (threadIdx.x & 7)) : 0.f;
       loaded = slot;
     }
     float acc[2][4];
-    moe_tile_product<kDownSteps>(st, i, xa, acc);
+    if constexpr (kDownRows)
+      moe_down_rows_product(st, i, xa, acc);
+    else
+      moe_tile_product<kDownSteps>(st, i, xa, acc);
     reduce_warps<2>(acc, s.red, s.out);
     const int n = threadIdx.x >> 7, r = (threadIdx.x >> 3) & 15, b = threadIdx.x & 7;
     if (weight != 0.f)
@@ -1489,10 +1532,15 @@ __device__ void task_sample(const Params& p, const Task& t, unsigned char* smem)
 // ====  15. Dispatcher  =========================================================================
 //   One block per SM walks tasks[task_start[block] .. task_start[block+1]): prefetch the task's
 //   first weights into L2, wait, compute, signal. An aborted step (status != 0) skips the compute.
+#ifndef NC_QKV_PREFETCH  // an experiment's -D: 0 leaves the QKV tasks' first tile out of the L2 prefetch, so that
+// NORM's loads and stores at the layer's start (3-4 us on one block while every other block waits) do not queue
+// behind ~8 MB of prefetches (runs 49 and 51 found that window full of them)
+#define NC_QKV_PREFETCH 1
+#endif
 __device__ void prefetch_task_weights(const Params& p, const Task& t) {
   const bf16* w = nullptr;
   size_t bytes = 0;
-  if (t.type == TASK_QKV) {
+  if (NC_QKV_PREFETCH && t.type == TASK_QKV) {
     const int R = t.arg[0] * 16;
     w = R < kQSize ? layer_ptr(p, t.layer, LP_Q) + (size_t)R * kHidden
       : R < kQSize + kKvSize ? layer_ptr(p, t.layer, LP_K) + (size_t)(R - kQSize) * kHidden
