@@ -3,7 +3,8 @@
 # values, space-separated; "-" is the default's build), one process each, on the H200:
 #     run(command='TUNINGS="- NC_MOE_PACKED=1" TESTS=1 STREAM=1 bash tools/device_tuning.sh', timeout_s=420)
 # TESTS=1: first, for each build but the default, the per-task tests (tiny and 5-layer geometries) and the tiny
-# teacher-forced test; STREAM=1: northcode/bench/moe_stream_bench.py (the MoE stream alone) for each build.
+# and 5-layer teacher-forced tests (the tiny geometry skips NC_MOE_ROWSEG's and NC_MOE_DOWNROWS' paths);
+# STREAM=1: northcode/bench/moe_stream_bench.py (the MoE stream alone) for each build.
 # STEPS: timed steps (50); VARIANTS: megakernel variants timed beside each build (as megakernel/<name>). The MoE
 # ring's depths: TUNINGS="NC_MOE_STAGES=6 NC_MOE_STAGES=8" TESTS=1 STREAM=1 (what tools/device_moe_stages.sh did).
 # KEEP_PROFILES=1: each build's profiles (every variant's at B = 1, the default's at B = 8) come back as
@@ -18,8 +19,9 @@ for tuning in ${TUNINGS:--}; do
   [ "$tuning" = - ] && tuning=""
   export NORTHCODE_MEGAKERNEL_TUNING=$tuning
   if [ "${TESTS:-0}" = 1 ] && [ -n "$tuning" ]; then
-    timeout 150 python3 -m pytest -q -rf tests/gpu/test_megakernel_tasks.py \
-      "tests/gpu/test_megakernel_decode.py::test_tiny_teacher_forced" > "$OUT/tests-$name.log" 2>&1
+    timeout 200 python3 -m pytest -q -rf tests/gpu/test_megakernel_tasks.py \
+      "tests/gpu/test_megakernel_decode.py::test_tiny_teacher_forced" \
+      "tests/gpu/test_megakernel_decode.py::test_full_shapes_shallow_teacher_forced" > "$OUT/tests-$name.log" 2>&1
     echo "== $tuning tests (rc $?): $(grep -hE 'passed|failed' "$OUT/tests-$name.log" | tail -1)"
     grep -hE "^FAILED" "$OUT/tests-$name.log" | cut -c1-200 | head -5
   fi
