@@ -1571,7 +1571,12 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     prefetch_l2(reinterpret_cast<const char*>(w) + off);
 }
 
-#if NC_LEAN_FUSED
+#ifndef NC_RECORD_AHEAD  // an experiment's -D: the lean-fused build's copy of the next record while a task runs,
+// alone (run 65: ~0.8 us from one task's end to the next one's start, the record's load), the record still read
+// into registers as the default does (run 37: reading it from shared memory made the o_proj tasks slow)
+#define NC_RECORD_AHEAD 0
+#endif
+#if NC_LEAN_FUSED || NC_RECORD_AHEAD
 // The next task's record is copied into the other half of a two-record buffer while this task runs (cp.async by 4
 // threads; tasks drain their own copies, so the record's group is the only one left at the loop's top) instead
 // of being loaded when the task starts; and a task that was skipped because the step aborted does not signal,
@@ -1597,6 +1602,15 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
     __syncthreads();
     const Task& t = task[i & 1];  // read where used (a register copy spills 20 bytes in this build)
+    if (i + 1 < p.task_start[blockIdx.x + 1]) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read above, by all
+#elif NC_RECORD_AHEAD
+  __shared__ __align__(16) Task task[2];  // this task's record and the next one's
+  if (p.task_start[blockIdx.x] < p.task_start[blockIdx.x + 1])
+    copy_task_record(p, p.task_start[blockIdx.x], &task[p.task_start[blockIdx.x] & 1]);
+  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
+    if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
+    __syncthreads();
+    const Task t = task[i & 1];
     if (i + 1 < p.task_start[blockIdx.x + 1]) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read above, by all
 #else
   __shared__ Task task;
