@@ -1594,23 +1594,18 @@ __device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* s
 __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int aborted;  // one thread reads the status, so that the whole block takes the same branch
+#if NC_LEAN_FUSED || NC_RECORD_AHEAD
+  __shared__ __align__(16) Task task[2];  // this task's record and the next one's
+  if (p.task_start[blockIdx.x] < p.task_start[blockIdx.x + 1])
+    copy_task_record(p, p.task_start[blockIdx.x], &task[p.task_start[blockIdx.x] & 1]);
+  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
+    if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
+    __syncthreads();
 #if NC_LEAN_FUSED
-  __shared__ __align__(16) Task task[2];  // this task's record and the next one's
-  if (p.task_start[blockIdx.x] < p.task_start[blockIdx.x + 1])
-    copy_task_record(p, p.task_start[blockIdx.x], &task[p.task_start[blockIdx.x] & 1]);
-  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
-    if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
-    __syncthreads();
     const Task& t = task[i & 1];  // read where used (a register copy spills 20 bytes in this build)
-    if (i + 1 < p.task_start[blockIdx.x + 1]) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read above, by all
-#elif NC_RECORD_AHEAD
-  __shared__ __align__(16) Task task[2];  // this task's record and the next one's
-  if (p.task_start[blockIdx.x] < p.task_start[blockIdx.x + 1])
-    copy_task_record(p, p.task_start[blockIdx.x], &task[p.task_start[blockIdx.x] & 1]);
-  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
-    if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
-    __syncthreads();
-    const Task t = task[i & 1];
+#else
+    const Task t = task[i & 1];  // NC_RECORD_AHEAD: into registers, as the default's record
+#endif
     if (i + 1 < p.task_start[blockIdx.x + 1]) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read above, by all
 #else
   __shared__ Task task;
