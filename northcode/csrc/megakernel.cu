@@ -1016,6 +1016,9 @@ constexpr int kMoeStages = NC_MOE_STAGES;
 #ifndef NC_MOE_ROWSEG
 #define NC_MOE_ROWSEG 0
 #endif
+#ifndef NC_MOE_PACKED  // an experiment's -D: the experts repacked at load (moe_issue says how)
+#define NC_MOE_PACKED 0
+#endif
 constexpr bool kUpRowSeg = NC_MOE_ROWSEG && kHidden % 512 == 0;
 constexpr int kRowSegSteps = kHidden / 512;  // kUpRowSeg: steps per matrix of an up tile (4 at H = 2048)
 // The k-chunk of this warp's j-th activation piece of an up tile.
@@ -1037,6 +1040,8 @@ constexpr bool kDownRows = NC_MOE_DOWNROWS && (kExpertWidth / 32) % kWarps == 0;
 constexpr int kDownRowPieces = 2 * kDownSteps;  // kDownRows: 16-B copies per lane a step (rows g, g + 8 x chunks)
 constexpr int kDownRowStages = kMoeStages * 4 / kDownRowPieces;  // kDownRows: slots in the ring's memory
 static_assert(!kDownRows || kDownRowStages >= 2, "NC_MOE_DOWNROWS: the ring holds fewer than two down steps");
+static_assert(!(NC_MOE_PACKED && (NC_MOE_ROWSEG || NC_MOE_DOWNROWS)),
+              "NC_MOE_ROWSEG / NC_MOE_DOWNROWS read the checkpoint's layout, not NC_MOE_PACKED's");
 // The k-chunk of this warp's j-th activation piece of a down tile.
 __device__ __forceinline__ int down_chunk(int j, int warp) { return kDownRows ? kDownSteps * warp + j : warp + kWarps * j; }
 constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
