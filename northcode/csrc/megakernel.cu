@@ -1043,7 +1043,9 @@ static_assert(!kDownRows || kDownRowStages >= 2, "NC_MOE_DOWNROWS: the ring hold
 static_assert(!(NC_MOE_PACKED && (NC_MOE_ROWSEG || NC_MOE_DOWNROWS)),
               "NC_MOE_ROWSEG / NC_MOE_DOWNROWS read the checkpoint's layout, not NC_MOE_PACKED's");
 // The k-chunk of this warp's j-th activation piece of a down tile.
-__device__ __forceinline__ int down_chunk(int j, int warp) { return kDownRows ? kDownSteps * warp + j : warp + kWarps * j; }
+__device__ __forceinline__ int down_chunk(int j, int warp) {
+  return kDownRows ? kDownSteps * warp + j : warp + kWarps * j;
+}
 constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
 
 enum StreamKind : int { STREAM_DOWN = 0, STREAM_UP = 1 };
