@@ -7,6 +7,8 @@ weights), and prints the bytes streamed per second against the read bandwidth of
 the same process: if the stream alone stays well under it, the per-SM ring is the limit (its depth:
 NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_STAGES=N, tools/device_tuning.sh); if it reaches it, the step's
 schedule is. 8 experts is batch 1's working set (a 50 MB up phase: launch overhead included), 128 all of them.
+The "down+" row is up+down's time less up's: the down stream's own rate (the up phase alone carries the launch
+and its shares' tail, which the down tasks overlap).
 """
 
 from __future__ import annotations
@@ -44,12 +46,20 @@ def run(args: argparse.Namespace) -> int:
         route_row_zero(kernel, experts)
         up = ("each", make_task(TaskType.MOE_UP, 1, (0, 0, -1)))  # slot counters 0..n-1, static shares
         down = ("each", make_task(TaskType.MOE_DOWN, 1, (0, 0)))  # contiguous down shares
+        timed = {}
         for phase, waves, nbytes in (("up", [up], n * up_bytes), ("up+down", [up, down], n * (up_bytes + down_bytes))):
             schedule = device_schedule(kernel, waves, n)
-            ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
+            ms = timed[phase] = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
             tbps = nbytes / (ms * 1e-3) / 1e12
             print(f"{n:>8}{phase:>9}{nbytes / 1e6:8.1f}{ms * 1e3:9.1f}{tbps:7.2f}{tbps / read_tbps:8.0%}"
                   f"{tbps * 1e3 / kernel.num_blocks:13.1f}")
+        # the down tasks overlap the up phase's launch and tail, which bound the up-alone figure (runs 70-74):
+        # the difference is the down stream's own rate, an upper bound
+        extra_ms = timed["up+down"] - timed["up"]
+        if extra_ms > 0:
+            tbps = n * down_bytes / (extra_ms * 1e-3) / 1e12
+            print(f"{n:>8}{'down+':>9}{n * down_bytes / 1e6:8.1f}{extra_ms * 1e3:9.1f}{tbps:7.2f}"
+                  f"{tbps / read_tbps:8.0%}{tbps * 1e3 / kernel.num_blocks:13.1f}")
         kernel.check()
     return 0
 
