@@ -946,13 +946,12 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
 
 // The distinct experts get slots in ascending id order: one thread per expert, a ballot per warp and the
 // warps' counts before it give the slot (no serial pass over the experts: run 21's loops took ~6 us at B=1).
-// Thread e: whether expert e is routed (by any row), its slot, and the number of slots; s holds each row's k
-// experts and weights.
-__device__ __forceinline__ bool topk_slots(const Params& p, int layer, TopkSmem& s, int& slot, int& total) {
+__device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
+  TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = threadIdx.x;
   if (e < kExperts) s.used[e] = 0;
   __syncthreads();
-  if (warp < p.batch_size) topk_row(p, layer, warp, s);
+  if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
   __syncthreads();
   if (e < p.batch_size * kTopK) s.used[s.expert[e / kTopK][e % kTopK]] = 1;
   __syncthreads();
@@ -960,19 +959,12 @@ __device__ __forceinline__ bool topk_slots(const Params& p, int layer, TopkSmem&
   const unsigned ballot = __ballot_sync(0xffffffffu, used);
   if (lane == 0) s.warp_count[warp] = __popc(ballot);
   __syncthreads();
-  slot = __popc(ballot & ((1u << lane) - 1u)), total = 0;
+  int slot = __popc(ballot & ((1u << lane) - 1u)), total = 0;
   for (int w = 0; w < kWarps; ++w) {
     slot += w < warp ? s.warp_count[w] : 0;
     total += s.warp_count[w];
   }
-  return used;
-}
-
-__device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
-  TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
-  const int e = threadIdx.x;
-  int slot, total;
-  if (topk_slots(p, t.layer, s, slot, total)) {
+  if (used) {
     p.moe_slots[1 + slot] = e;
     for (int b = 0; b < kMaxBatch; ++b) {
       float w = 0.f;
@@ -1101,7 +1093,6 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
 #elif NC_MOE_PACKED  // an experiment's -D: the experts repacked at load (kernel.py pack_row_blocks): in each
     // 16-row block, 32-column chunk c's 16 rows x 64 B are contiguous, so a warp copy reads 512 contiguous bytes
     // and a ring step 2 x 8 KB (the probe: fragment order 3.3 TB/s on 132 SMs, contiguous 4.5)
-    (void)K;
     const size_t lo = ((size_t)c * 16 + g) * 32 + 8 * t, hi = lo + 256;
 #else
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
@@ -1133,13 +1124,6 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
   asm volatile("cp.async.commit_group;");
 }
 
-// This lane's pieces of step q (its own copies) from its slot.
-__device__ __forceinline__ void moe_step_pieces(const MoeStream& st, int q, uint4& a_lo, uint4& a_hi, uint4& b_lo,
-                                                uint4& b_hi) {
-  const uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
-  a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];
-}
-
 // Multiplies tile i of the stream: acc[0] += A x act, acc[1] += B x act over this warp's chunks (the activation
 // fragments in xa), kMoeStages steps in flight: the lane-private ring refills the slot it has just read with the
 // step kMoeStages ahead.
@@ -1152,8 +1136,8 @@ __device__ __forceinline__ void moe_tile_product(const MoeStream& st, int i, con
     if (j < st.steps) {
       const int q = i * st.steps + j;
       asm volatile("cp.async.wait_group %0;" ::"n"(kMoeStages - 1) : "memory");
-      uint4 a_lo, a_hi, b_lo, b_hi;
-      moe_step_pieces(st, q, a_lo, a_hi, b_lo, b_hi);
+      const uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
+      const uint4 a_lo = slot[0], a_hi = slot[kThreads], b_lo = slot[2 * kThreads], b_hi = slot[3 * kThreads];
       if constexpr (kRowSeg) {  // rows g, g + 8 of one matrix at two chunks (xa's pieces 2 (j % S), + 1)
         mma_piece(acc[j / kRowSegSteps], a_lo, a_hi, xa[2 * (j % kRowSegSteps)]);
         mma_piece(acc[j / kRowSegSteps], b_lo, b_hi, xa[2 * (j % kRowSegSteps) + 1]);
