@@ -394,9 +394,16 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
+// NC_ROTATE_CHUNKS (an experiment's -D): a product starts its k-chunks at 8 * (rotate % (K / 256)) and wraps, so
+// that SMs running their tiles at the same moment (every o_proj tile at the layer's end, 128 KB apart) read
+// different columns of their rows instead of the same DRAM offsets in lockstep: is the o_proj / QKV "slow state"
+// of some builds (runs 38-46, 75-76: the same instructions, +50% busy) partition camping?
+#ifndef NC_ROTATE_CHUNKS
+#define NC_ROTATE_CHUNKS 0
+#endif
 template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
-                          const bf16* act, int act_stride, int batch, float* red, float* out) {
+                          const bf16* act, int act_stride, int batch, float* red, float* out, int rotate = 0) {
   // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
   // 220 bytes at 255 registers: day 3)
   constexpr int U = 4;
@@ -420,8 +427,13 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
     uint4 wa[NT][U], wb[NT][U], xa[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+#if NC_ROTATE_CHUNKS
+      const int c_plain = c0 + kWarps * u, c = (c_plain + 8 * (rotate % (nchunk >> 3))) % nchunk;
+      if (c_plain < nchunk) {
+#else
       const int c = c0 + kWarps * u;
       if (c < nchunk) {
+#endif
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
@@ -580,13 +592,13 @@ __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
     if (tile + 1 < end) {
       const bf16* tiles[2] = {qkv_weight_tile(p, t.layer, tile), qkv_weight_tile(p, t.layer, tile + 1)};
       const int valid[2] = {16, 16};
-      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, tile >> 1);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
-      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
+      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, tile >> 1);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     }
   }
@@ -862,7 +874,7 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
 __device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
   const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
   const int valid[1] = {16};
-  mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
+  mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out, tile);
   const int i = threadIdx.x, r = i >> 3, b = i & 7;
   if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
 }
