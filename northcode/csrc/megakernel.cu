@@ -394,16 +394,9 @@ __device__ __forceinline__ void mma_piece(float (&acc)[4], const uint4& wa, cons
       : "r"(wa.z), "r"(wb.z), "r"(wa.w), "r"(wb.w), "r"(xa.z), "r"(xa.w));
 }
 
-// NC_ROTATE_CHUNKS (an experiment's -D): a product starts its k-chunks at 8 * (rotate % (K / 256)) and wraps, so
-// that SMs running their tiles at the same moment (every o_proj tile at the layer's end, 128 KB apart) read
-// different columns of their rows instead of the same DRAM offsets in lockstep: is the o_proj / QKV "slow state"
-// of some builds (runs 38-46, 75-76: the same instructions, +50% busy) partition camping?
-#ifndef NC_ROTATE_CHUNKS
-#define NC_ROTATE_CHUNKS 0
-#endif
 template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
-                          const bf16* act, int act_stride, int batch, float* red, float* out, int rotate = 0) {
+                          const bf16* act, int act_stride, int batch, float* red, float* out) {
   // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
   // 220 bytes at 255 registers: day 3)
   constexpr int U = 4;
@@ -427,13 +420,8 @@ __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_row
     uint4 wa[NT][U], wb[NT][U], xa[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-#if NC_ROTATE_CHUNKS
-      const int c_plain = c0 + kWarps * u, c = (c_plain + 8 * (rotate % (nchunk >> 3))) % nchunk;
-      if (c_plain < nchunk) {
-#else
       const int c = c0 + kWarps * u;
       if (c < nchunk) {
-#endif
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           wa[n][u] = load_weight16(w_lo[n] + c * 32);
@@ -592,13 +580,13 @@ __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
     if (tile + 1 < end) {
       const bf16* tiles[2] = {qkv_weight_tile(p, t.layer, tile), qkv_weight_tile(p, t.layer, tile + 1)};
       const int valid[2] = {16, 16};
-      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, tile >> 1);
+      mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
       qkv_epilogue(p, t.layer, tile + 1, t.arg[2] != 0, s.out + 128);
     } else {
       const bf16* tiles[1] = {qkv_weight_tile(p, t.layer, tile)};
       const int valid[1] = {16};
-      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out, tile >> 1);
+      mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
       qkv_epilogue(p, t.layer, tile, t.arg[2] != 0, s.out);
     }
   }
@@ -833,7 +821,11 @@ __device__ void combine_row(const Params& p, int b, int kvh, int nsplit, float* 
   float* l_s = scratch + kMaxSplits * 8;     // [kMaxSplits][8] each split's sum
   const size_t base = (size_t)(b * kKvHeads + kvh) * kMaxSplits;
   __syncthreads();  // the previous user of the scratch is done
-  for (int i = threadIdx.x; i < nsplit * kGroup; i += kThreads) {  // all (split, head) pairs in one round trip
+  // tid through asm volatile: the compiler cannot hoist this loop's per-thread indices out of the task loop, where
+  // (NC_RECORD_AHEAD with NC_MOE_ROWSEG) two of them spilled 8 bytes
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  for (int i = tid; i < nsplit * kGroup; i += kThreads) {  // all (split, head) pairs in one round trip
     const int sp = i / kGroup, hq = i % kGroup;
     m_s[sp * 8 + hq] = __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2);
     l_s[sp * 8 + hq] = __ldcg(p.attn_ml + ((base + sp) * kGroup + hq) * 2 + 1);
@@ -874,23 +866,12 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
 __device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
   const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
   const int valid[1] = {16};
-  mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out, tile);
+  mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
   const int i = threadIdx.x, r = i >> 3, b = i & 7;
   if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
 }
 
-// NC_PAD_OPROJ (an experiment's -D): that many never-run stores ahead of task_oproj's code, which shift its loop in
-// the instruction stream and change nothing else in it: does the code's alignment turn the slow state on and off?
-#ifndef NC_PAD_OPROJ
-#define NC_PAD_OPROJ 0
-#endif
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
-#if NC_PAD_OPROJ
-  if (t.arg[3] == 0x7fffffff) {  // never (the schedule leaves o_proj's arg3 at 0)
-#pragma unroll
-    for (int i = 0; i < NC_PAD_OPROJ; ++i) asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p.status + 1), "r"(i));
-  }
-#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) oproj_tile(p, t.layer, tile, *reinterpret_cast<GemmSmem*>(smem));
 }
 
@@ -1020,21 +1001,21 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 //   meets only to reduce a tile's warps. Up: moe_act[slot][b] = bf16(silu(gate) * up), "slot done" += 1
 //   per tile (the slot is done at I/16). Down: waits for its slot, then x[b] += bf16(bf16(down . act) *
 //   weight[slot][b]) for the rows routed to that expert.
-#ifndef NC_MOE_STAGES  // an experiment's -D (megakernel.py: NORTHCODE_MEGAKERNEL_TUNING); 6 x 16 KB in flight per SM
-#define NC_MOE_STAGES 6
+#ifndef NC_MOE_STAGES  // 4 x 16 KB in flight per SM (runs 80-81: 6 until then; -D from NORTHCODE_MEGAKERNEL_TUNING)
+#define NC_MOE_STAGES 4
 #endif
 constexpr int kMoeStages = NC_MOE_STAGES;
-// NC_MOE_ROWSEG (an experiment's -D): an up step reads one matrix's 16 rows x 1 KB (512 columns: chunks 16s + 2w
+// NC_MOE_ROWSEG (1 since run 81; 0 for the old order): an up step reads one matrix's 16 rows x 1 KB (512 columns: chunks 16s + 2w
 // and 16s + 2w + 1 for warp w at the matrix's step s) instead of both matrices' 16 rows x 512 B, so that a step's
 // pieces of each row are twice as long (tools/probes/sm_stream_probe.cu: rows1k against frag); the same four
 // 16-B copies per lane, the same products. Needs H a multiple of 512 (the tiny geometries keep the default order).
 #ifndef NC_MOE_ROWSEG
-#define NC_MOE_ROWSEG 0
+#define NC_MOE_ROWSEG 1
 #endif
 #ifndef NC_MOE_PACKED  // an experiment's -D: the experts repacked at load (moe_issue says how)
 #define NC_MOE_PACKED 0
 #endif
-constexpr bool kUpRowSeg = NC_MOE_ROWSEG && kHidden % 512 == 0;
+constexpr bool kUpRowSeg = NC_MOE_ROWSEG && !NC_MOE_PACKED && kHidden % 512 == 0;
 constexpr int kRowSegSteps = kHidden / 512;  // kUpRowSeg: steps per matrix of an up tile (4 at H = 2048)
 // The k-chunk of this warp's j-th activation piece of an up tile.
 __device__ __forceinline__ int up_chunk(int j, int warp) {
@@ -1044,19 +1025,18 @@ constexpr int kUpTilesPerSlot = kExpertWidth / 16;
 constexpr int kDownTilesPerSlot = kHidden / 32;
 constexpr int kUpSteps = (kHidden / 32 + kWarps - 1) / kWarps;         // k-chunks per warp of an up tile
 constexpr int kDownSteps = (kExpertWidth / 32 + kWarps - 1) / kWarps;  // ... of a down tile
-// NC_MOE_DOWNROWS (an experiment's -D): a down step is one matrix's 16 whole rows (24 KB contiguous at I = 768:
+// NC_MOE_DOWNROWS (1 since run 81; 0 for the old order): a down step is one matrix's 16 whole rows (24 KB contiguous at I = 768:
 // warp w's chunks 3w .. 3w + 2, six 16-B copies per lane), two steps a tile, in 24-KB slots (4 in the ring's
 // 96 KB), instead of both matrices' 16 rows x 512 B: the down stream reads as the packed experts did (runs 70-74).
 // Needs I / 32 a multiple of the warps (the tiny geometries keep the default order).
 #ifndef NC_MOE_DOWNROWS
-#define NC_MOE_DOWNROWS 0
+#define NC_MOE_DOWNROWS 1
 #endif
-constexpr bool kDownRows = NC_MOE_DOWNROWS && (kExpertWidth / 32) % kWarps == 0;
+constexpr bool kDownRows = NC_MOE_DOWNROWS && !NC_MOE_PACKED && (kExpertWidth / 32) % kWarps == 0;
 constexpr int kDownRowPieces = 2 * kDownSteps;  // kDownRows: 16-B copies per lane a step (rows g, g + 8 x chunks)
 constexpr int kDownRowStages = kMoeStages * 4 / kDownRowPieces;  // kDownRows: slots in the ring's memory
 static_assert(!kDownRows || kDownRowStages >= 2, "NC_MOE_DOWNROWS: the ring holds fewer than two down steps");
-static_assert(!(NC_MOE_PACKED && (NC_MOE_ROWSEG || NC_MOE_DOWNROWS)),
-              "NC_MOE_ROWSEG / NC_MOE_DOWNROWS read the checkpoint's layout, not NC_MOE_PACKED's");
+// NC_MOE_PACKED reads its own layout: both orders above are the checkpoint's and stand aside for it
 // The k-chunk of this warp's j-th activation piece of a down tile.
 __device__ __forceinline__ int down_chunk(int j, int warp) {
   return kDownRows ? kDownSteps * warp + j : warp + kWarps * j;
@@ -1585,13 +1565,13 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     prefetch_l2(reinterpret_cast<const char*>(w) + off);
 }
 
-#ifndef NC_STATUS_EARLY
-#define NC_STATUS_EARLY 0
+#ifndef NC_STATUS_EARLY  // 1 since run 81 (0: the status read after the wait); the dispatcher says what it does
+#define NC_STATUS_EARLY 1
 #endif
-#ifndef NC_RECORD_AHEAD  // an experiment's -D: the lean-fused build's copy of the next record while a task runs,
-// alone (run 65: ~0.8 us from one task's end to the next one's start, the record's load), the record still read
-// into registers as the default does (run 37: reading it from shared memory made the o_proj tasks slow)
-#define NC_RECORD_AHEAD 0
+#ifndef NC_RECORD_AHEAD  // 1 since run 81 (0: the record loaded at the task's start): the lean-fused build's copy of
+// the next record while a task runs, alone (run 65: ~0.8 us from one task's end to the next one's start, the
+// record's load), the record still read into registers (run 37: reading it from shared memory made o_proj slow)
+#define NC_RECORD_AHEAD 1
 #endif
 #if NC_LEAN_FUSED || NC_RECORD_AHEAD
 // The next task's record is copied into the other half of a two-record buffer while this task runs (cp.async by 4

@@ -16,8 +16,9 @@ MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the
 
 
 # run 17: the next task's prefetch too was 5% slower at B=1; run 32: o_proj through the register product after the
-# NORM fix beats the o_proj ring (3.27 against 3.35 ms at B=1, twice in one process)
-DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT
+# NORM fix beat the o_proj ring (3.27 against 3.35 ms at B=1); runs 79-81: the register product (32 KB in flight
+# per SM) is latency-bound and slows by half in some builds, the ring (64-96 KB) does not: the ring again
+DEFAULT_FLAGS = FLAG_PREFETCH_CURRENT | FLAG_OPROJ_RING
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,7 @@ class Variant:
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
     "default": Variant(),  # day 3 (runs 25-32): combine apart, up claims
     "day2-default": Variant(combine_apart=False, up_claims=False),  # until run 28
-    "oproj-ring": Variant(flags=DEFAULT_FLAGS | FLAG_OPROJ_RING),  # the default of runs 28-31
+    "oproj-registers": Variant(flags=DEFAULT_FLAGS & ~FLAG_OPROJ_RING),  # the default of runs 32-80
     "no-combine-apart": Variant(combine_apart=False),
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2

@@ -163,7 +163,7 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, rin
 @pytest.mark.parametrize("form", ["tiles", "pairs", "ring"])
 def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
     """tiles: one 16-row tile a task; pairs: two a task (register product, one after the other); ring: two a
-    task, each streamed through the per-lane ring (OPROJ_RING)."""
+    task, each streamed through the per-lane ring (OPROJ_RING, the default's since run 81)."""
     from northcode.megakernel.kernel import TaskType, make_task
     from northcode.megakernel.variants import FLAG_OPROJ_RING
 
@@ -172,7 +172,8 @@ def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
     kernel.attn_out.copy_(attn_out)
     kernel.x.copy_(x)
     tiles, per_task = config.hidden_size // 16, 1 if form == "tiles" else 2
-    with params_set(kernel, flags=kernel.params.flags | (FLAG_OPROJ_RING if form == "ring" else 0)):
+    flags = (kernel.params.flags & ~FLAG_OPROJ_RING) | (FLAG_OPROJ_RING if form == "ring" else 0)
+    with params_set(kernel, flags=flags):
         run(kernel, [[make_task(TaskType.OPROJ, 2, (t, per_task)) for t in range(0, tiles, per_task)]])
     ref = F.linear(attn_out.float(), model.layers[2].o_proj.float())
     assert rel_err(kernel.x - x, ref) < REL_TOL
