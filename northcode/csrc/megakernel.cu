@@ -96,11 +96,7 @@ enum TaskType : int {
 // Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
 // NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
 // OPROJ_RING: o_proj tiles stream through a per-lane cp.async ring (task_oproj_ring), issued after the wait.
-// QKV_RING: QKV tiles stream through the same kind of ring (task_qkv_ring), its first steps before the wait.
-enum Flags : int {
-  NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8,
-  NC_FLAG_QKV_RING = 16
-};
+enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8 };
 
 // NC_LEAN_FUSED (compile time, the `lean-fused` variant's build; 0: the default): the dispatcher copies the next
 // task's record while a task runs and reads the step's status only in waits that spin, and a MOE_UP task whose
@@ -1349,61 +1345,6 @@ __device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* s
   __syncthreads();
 }
 
-// ---- QKV_RING: the task's 16-row QKV tiles (K = H, 64 KB each) stream through a per-lane ring of kOprojStages
-// steps as one sequence (step q: tile q / S, the warp's k-chunk q % S; rows g and g+8, 16 B each: 8 KB a step), so
-// the next tile's copies go out while this one is multiplied; the first steps are issued by the dispatcher before
-// the wait for NORM (qkv_ring_prologue). The register product (mma_tiles: 32-64 KB in flight, drained every 4
-// chunks) is latency-bound like o_proj's was (runs 75-81: the same instructions 22% slower in some builds).
-constexpr int kQkvSteps = (kHidden / 32 + kWarps - 1) / kWarps;  // k-chunks per warp of a tile (8 at H = 2048)
-
-__device__ __forceinline__ void qkv_issue(const Params& p, const Task& t, uint4* ring, int q) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int tile = t.arg[0] + q / kQkvSteps, c = warp + kWarps * (q % kQkvSteps);
-  if (tile < t.arg[0] + t.arg[1] && c < kHidden / 32) {
-    const bf16* w = qkv_weight_tile(p, t.layer, tile);
-    uint4* slot = ring + (size_t)(q % kOprojStages) * 2 * kThreads + threadIdx.x;
-    const size_t lo = (size_t)g * kHidden + c * 32 + 8 * tq;
-    cp_async16(slot, w + lo);
-    cp_async16(slot + kThreads, w + lo + (size_t)8 * kHidden);
-  }
-  asm volatile("cp.async.commit_group;");
-}
-
-// Before the task's wait (dispatcher): the ring's first kOprojStages steps (weights are immutable; the previous
-// task left the ring's memory with no copy in flight).
-__device__ void qkv_ring_prologue(const Params& p, const Task& t, unsigned char* smem) {
-  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
-  for (int q = 0; q < kOprojStages; ++q) qkv_issue(p, t, ring, q);
-}
-
-__device__ void task_qkv_ring(const Params& p, const Task& t, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-  uint4 xa[kQkvSteps];  // this lane's pieces of h row g at its warp's chunks (the same for every tile)
-#pragma unroll
-  for (int j = 0; j < kQkvSteps; ++j)
-    xa[j] = g < p.batch_size && warp + kWarps * j < kHidden / 32
-                ? load_act16(p.h + (size_t)g * kHidden + (warp + kWarps * j) * 32 + 8 * tq) : make_uint4(0, 0, 0, 0);
-  for (int i = 0; i < t.arg[1]; ++i) {
-    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int j = 0; j < kQkvSteps; ++j) {
-      const int q = i * kQkvSteps + j;
-      asm volatile("cp.async.wait_group %0;" ::"n"(kOprojStages - 1) : "memory");
-      if (warp + kWarps * j < kHidden / 32) {
-        const uint4* slot = ring + (size_t)(q % kOprojStages) * 2 * kThreads + threadIdx.x;
-        mma_piece(acc[0], slot[0], slot[kThreads], xa[j]);
-      }
-      qkv_issue(p, t, ring, q + kOprojStages);
-    }
-    reduce_warps<1>(acc, s.red, s.out);
-    qkv_epilogue(p, t.layer, t.arg[0] + i, t.arg[2] != 0, s.out);
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the task (the next reuses the memory)
-  __syncthreads();
-}
-
 // ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================
 //   The dense layer's SwiGLU: up tiles (16 channels of gate and up, K = H) -> dense_act; down tiles
 //   (32 rows of H, K = I_dense) -> x += bf16(result).
@@ -1673,9 +1614,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
     if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
     const bool oproj_ring = t.type == TASK_OPROJ && (p.flags & NC_FLAG_OPROJ_RING);
-    const bool qkv_ring = t.type == TASK_QKV && (p.flags & NC_FLAG_QKV_RING);
     if (oproj_ring) oproj_ring_prologue(p, t, smem);  // o_proj's ring: its first loads before the wait
-    else if (qkv_ring) qkv_ring_prologue(p, t, smem);  // QKV's ring: likewise
     else if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
     if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
       prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
@@ -1703,7 +1642,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
       switch (t.type) {
         case TASK_STOP: break;
         case TASK_NORM: task_norm(p, t, smem); break;
-        case TASK_QKV: if (p.flags & NC_FLAG_QKV_RING) task_qkv_ring(p, t, smem); else task_qkv(p, t, smem); break;
+        case TASK_QKV: task_qkv(p, t, smem); break;
         case TASK_ATTN: task_attn(p, t, smem); break;
         case TASK_COMBINE: task_combine(p, t, smem); break;
         case TASK_OPROJ: if (p.flags & NC_FLAG_OPROJ_RING) task_oproj_ring(p, t, smem); else task_oproj(p, t, smem); break;

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT = 1, 2  # Params.flags: L2 prefetch of this / the next task's weights
 FLAG_NO_KV_PRELOAD = 4  # attention issues no KV page copy before its dependency wait
 FLAG_OPROJ_RING = 8  # o_proj tiles stream through a per-lane cp.async ring (issued after the task's wait)
-FLAG_QKV_RING = 16  # QKV tiles stream through a per-lane cp.async ring (its first steps before the wait)
 MAX_KV_STAGES = 5  # kStages of the .cu at head_dim > 64 (8 at head_dim 64): the attention ring's largest size
 
 
@@ -56,7 +55,6 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "default": Variant(),  # day 3 (runs 25-32): combine apart, up claims
     "day2-default": Variant(combine_apart=False, up_claims=False),  # until run 28
     "oproj-registers": Variant(flags=DEFAULT_FLAGS & ~FLAG_OPROJ_RING),  # the default of runs 32-80
-    "qkv-ring": Variant(flags=DEFAULT_FLAGS | FLAG_QKV_RING),  # day 3 session 5
     "no-combine-apart": Variant(combine_apart=False),
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2

@@ -99,21 +99,17 @@ def test_norm_embeds_rounds_and_normalises(geometry: str) -> None:
         assert rel_err(kernel.h, norm(x.to(torch.bfloat16), weight, config)) < REL_TOL
 
 
-@pytest.mark.parametrize("form", ["registers", "ring"])  # ring: QKV_RING's per-lane cp.async ring
 @pytest.mark.parametrize("layer,tiles_per_task", [(1, 1), (4, 1), (1, 2), (4, 3)])  # sliding+RoPE; full, NoPE
-def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int, form: str) -> None:
+def test_qkv_rope_and_kv_write(geometry: str, layer: int, tiles_per_task: int) -> None:
     from northcode.megakernel.kernel import TaskType, make_task
-    from northcode.megakernel.variants import FLAG_QKV_RING
 
     config, weights, model, cache, kernel = env(geometry)
     h = randn_bf16(8, config.hidden_size)
     kernel.h.copy_(h)
     tiles = (config.q_size + 2 * config.kv_size) // 16
     kernel.q.zero_()
-    flags = (kernel.params.flags & ~FLAG_QKV_RING) | (FLAG_QKV_RING if form == "ring" else 0)
-    with params_set(kernel, flags=flags):
-        run(kernel, [[make_task(TaskType.QKV, layer, (t, min(tiles_per_task, tiles - t), int(config.uses_rope(layer))))
-                      for t in range(0, tiles, tiles_per_task)]])
+    run(kernel, [[make_task(TaskType.QKV, layer, (t, min(tiles_per_task, tiles - t), int(config.uses_rope(layer))))
+                  for t in range(0, tiles, tiles_per_task)]])
     check_qkv(geometry, layer, h)
 
 
