@@ -1025,9 +1025,10 @@ constexpr int kUpTilesPerSlot = kExpertWidth / 16;
 constexpr int kDownTilesPerSlot = kHidden / 32;
 constexpr int kUpSteps = (kHidden / 32 + kWarps - 1) / kWarps;         // k-chunks per warp of an up tile
 constexpr int kDownSteps = (kExpertWidth / 32 + kWarps - 1) / kWarps;  // ... of a down tile
-// NC_MOE_DOWNROWS (1 since run 81; 0 for the old order): a down step is one matrix's 16 whole rows (24 KB contiguous at I = 768:
-// warp w's chunks 3w .. 3w + 2, six 16-B copies per lane), two steps a tile, in 24-KB slots (4 in the ring's
-// 96 KB), instead of both matrices' 16 rows x 512 B: the down stream reads as the packed experts did (runs 70-74).
+// NC_MOE_DOWNROWS (1 since run 81; 0 for the old order): a down step is one matrix's 16 whole rows (24 KB
+// contiguous at I = 768: warp w's chunks 3w .. 3w + 2, six 16-B copies per lane), two steps a tile, in 24-KB slots
+// (two in the ring's 64 KB at 4 stages), instead of both matrices' 16 rows x 512 B: the down stream reads as the
+// packed experts did (runs 70-74).
 // Needs I / 32 a multiple of the warps (the tiny geometries keep the default order).
 #ifndef NC_MOE_DOWNROWS
 #define NC_MOE_DOWNROWS 1
@@ -1281,12 +1282,12 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
   __syncthreads();
 }
 
-// ---- OPROJ_RING: each 16-row o_proj tile (K = Hq*D, 128 KB) streams through a per-lane ring of kOprojStages
-// steps (rows g and g+8, 16 B each, at the warp's k-chunks: 8 KB a step, 96 KB in flight per SM in the MoE ring's
-// memory, all along the tile), where the register product keeps 4 chunks in flight and drains them before the
-// next 4 (run 27: 6.7 us a tile, ~19 GB/s per SM, when every SM runs its o_proj tile at the layer's end).
-// Run 14's oproj-ring issued its first steps before the wait and delayed the SMs' other tasks; this one starts
-// after the wait. The activation pieces (attn_out, from L2) are loaded two steps ahead.
+// ---- OPROJ_RING (the default's since run 81): each 16-row o_proj tile (K = Hq*D, 128 KB) streams through a
+// per-lane ring of kOprojStages steps (rows g and g+8, 16 B each, at the warp's k-chunks: 8 KB a step, 64 KB in
+// flight per SM at 4 MoE stages, in the MoE ring's memory, all along the tile), where the register product keeps 4
+// chunks in flight and drains them before the next 4: latency-bound, 50% slower in builds whose timing puts it
+// beside more of the MoE streams (runs 75-80). The first tile's first steps go out before the dependency wait
+// (oproj_ring_prologue); the activation pieces (attn_out, from L2) are loaded two steps ahead.
 constexpr int kOprojSteps = (kQSize / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (16 at North Mini Code)
 constexpr int kOprojStages = 2 * kMoeStages;  // a step is half a MoE step: the same ring memory
 static_assert(kOprojStages * 2 <= kMoeStages * 4, "o_proj ring within the MoE ring's memory");
