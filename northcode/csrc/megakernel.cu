@@ -1530,9 +1530,7 @@ __device__ void task_sample(const Params& p, const Task& t, unsigned char* smem)
 //   first weights into L2, wait, compute, signal. An aborted step (status != 0) skips the compute.
 #ifndef NC_QKV_PREFETCH  // an experiment's -D: 0 leaves the QKV tasks' first tile out of the L2 prefetch, so that
 // NORM's loads and stores at the layer's start (3-4 us on one block while every other block waits) do not queue
-// behind ~8 MB of prefetches (runs 49 and 51 found that window full of them); 2 prefetches all of the task's tiles
-// (up to the q/k/v matrix's end), issued when the block leaves the previous layer's o_proj, whose tail leaves
-// HBM half idle (run 84's profile: 16 MB in ~12 us)
+// behind ~8 MB of prefetches (runs 49 and 51 found that window full of them)
 #define NC_QKV_PREFETCH 1
 #endif
 __device__ void prefetch_task_weights(const Params& p, const Task& t) {
@@ -1543,9 +1541,7 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     w = R < kQSize ? layer_ptr(p, t.layer, LP_Q) + (size_t)R * kHidden
       : R < kQSize + kKvSize ? layer_ptr(p, t.layer, LP_K) + (size_t)(R - kQSize) * kHidden
                              : layer_ptr(p, t.layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
-    const int matrix_end = R < kQSize ? kQSize : R < kQSize + kKvSize ? kQSize + kKvSize : kQSize + 2 * kKvSize;
-    // the first tile, or (2) the task's tiles within the matrix (the schedule's never straddle q/k/v)
-    bytes = (size_t)(NC_QKV_PREFETCH == 2 ? min(t.arg[1] * 16, matrix_end - R) : 16) * kHidden * 2;
+    bytes = (size_t)16 * kHidden * 2;  // the first tile (a task's tiles can straddle q/k/v)
   } else if (t.type == TASK_ROUTER) {
     w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)t.arg[0] * 16 * kHidden;
     bytes = (size_t)min(t.arg[1] * 16, kExperts - t.arg[0] * 16) * kHidden * 2;
