@@ -1533,18 +1533,10 @@ __device__ void task_sample(const Params& p, const Task& t, unsigned char* smem)
 // behind ~8 MB of prefetches (runs 49 and 51 found that window full of them)
 #define NC_QKV_PREFETCH 1
 #endif
-#ifndef NC_NORM_PREFETCH  // an experiment's -D: 1 prefetches NORM's weight vector (4 KB) before its wait, which is
-// met ~12 us later (run 84's profile), so that the norm, alone on the layer's critical path for ~3.6 us, does not
-// wait on HBM for it (a dependent load after the pointer table's)
-#define NC_NORM_PREFETCH 0
-#endif
 __device__ void prefetch_task_weights(const Params& p, const Task& t) {
   const bf16* w = nullptr;
   size_t bytes = 0;
-  if (NC_NORM_PREFETCH && t.type == TASK_NORM && !(t.layer == 0 && t.arg[1] == 0)) {  // not the embedding's
-    w = t.arg[1] != 0 ? p.final_norm : layer_ptr(p, t.layer, LP_NORM);
-    bytes = (size_t)kHidden * 2;
-  } else if (NC_QKV_PREFETCH && t.type == TASK_QKV) {
+  if (NC_QKV_PREFETCH && t.type == TASK_QKV) {
     const int R = t.arg[0] * 16;
     w = R < kQSize ? layer_ptr(p, t.layer, LP_Q) + (size_t)R * kHidden
       : R < kQSize + kKvSize ? layer_ptr(p, t.layer, LP_K) + (size_t)(R - kQSize) * kHidden

@@ -109,7 +109,7 @@ def find_nvcc() -> str:
 # compile-time knobs for experiments (the .cu's defaults otherwise; docs/performance.md says what each tests)
 TUNING_DEFINES = ("NC_MOE_STAGES", "NC_STREAM_PATTERN", "NC_MOE_EVICT_FIRST", "NC_KV_EVICT_FIRST", "NC_MOE_PACKED",
                   "NC_MOE_ROWSEG", "NC_QKV_PREFETCH", "NC_MOE_DOWNROWS", "NC_RECORD_AHEAD",
-                  "NC_STATUS_EARLY", "NC_NORM_PREFETCH")
+                  "NC_STATUS_EARLY")
 PACKED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # NC_MOE_PACKED: repacked copies
 # id(source) -> (source's version counter, repacked copy): Megakernels on the same weights share the copy, an
 # in-place change of the source makes a new one, and a freed source drops its entry (weakref.finalize)
