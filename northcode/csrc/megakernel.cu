@@ -1030,7 +1030,7 @@ constexpr int kDownSteps = (kExpertWidth / 32 + kWarps - 1) / kWarps;  // ... of
 // contiguous at I = 768: warp w's chunks 3w .. 3w + 2, six 16-B copies per lane), two steps a tile, in 24-KB slots
 // (two in the ring's 64 KB at 4 stages), instead of both matrices' 16 rows x 512 B: the down stream reads as the
 // packed experts did (runs 70-74).
-// Needs I / 32 a multiple of the warps (the tiny geometries keep the default order).
+// Needs I / 32 a multiple of the warps (the tiny geometries keep the old order).
 #ifndef NC_MOE_DOWNROWS
 #define NC_MOE_DOWNROWS 1
 #endif
@@ -1578,9 +1578,9 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
 #if NC_LEAN_FUSED || NC_RECORD_AHEAD
 // The next task's record is copied into the other half of a two-record buffer while this task runs (cp.async by 4
 // threads; tasks drain their own copies, so the record's group is the only one left at the loop's top) instead
-// of being loaded when the task starts; and a task that was skipped because the step aborted does not signal,
-// so a wait that is met means its producers ran and the status is read only by waits that spin. Run 33's profile:
-// ~0.7 us from one task's end to the next one's start (the record's load), 0.6-1.6 us from start to "met".
+// of being loaded when the task starts. NC_LEAN_FUSED also: a task that was skipped because the step aborted does
+// not signal, so a wait that is met means its producers ran and the status is read only by waits that spin. Run
+// 33's profile: ~0.7 us from one task's end to the next one's start (the record's load), 0.6-1.6 us start to "met".
 __device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* slot) {
   if (threadIdx.x < 4) {
     cp_async16(reinterpret_cast<unsigned char*>(slot) + 16 * threadIdx.x,
@@ -1624,7 +1624,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     bool stopped = wait_counter(p, t.wait[0], t.target[0]);
     stopped |= wait_counter(p, t.wait[1], t.target[1]);
     if (threadIdx.x == 0) aborted = stopped;
-#elif NC_STATUS_EARLY  // an experiment's -D: the status load goes out with the wait's first counter load instead
+#elif NC_STATUS_EARLY  // (the default since run 81) the status load goes out with the wait's first counter load instead
     // of after it (one round trip less per task where the dependency is met, ~0.7 us: run 65). A failure that comes
     // during the wait then stops the block's next task, not this one, which runs on whatever its inputs hold
     // (indices stay in range: expert ids and slot counts are the previous step's or the new ones, pages are checked)
