@@ -336,3 +336,56 @@ def test_one_round_qkv_puts_at_most_one_qkv_task_on_each_block() -> None:
                      for b in range(132)]
         assert max(per_block) == most, per_block
     assert one_round_q_tiles(preset_config("tiny", 1003), 132, 2) == 2
+
+
+@pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_norm_local_orders_every_x_and_h_access(preset: str, batch: int) -> None:
+    """The norm-local lists (NC_NORM_LOCAL: x by layer parity, QKV and ROUTER normalising it) under random task
+    times: layer l's zeroing of the x it adds into ends before any of its adds; every reader of the x layer l
+    reads ends before layer l + 1 zeroes it, and starts after layer l - 1's last add into it; every reader of h
+    of layer l - 1 ends before a writer of layer l's h starts; MoE up reads h after a whole writer finished."""
+    config = preset_config(preset, 1003 if preset == "tiny" else None)
+    variant = VARIANTS["norm-local"]
+    assert variant.build_defines() == {"NC_NORM_LOCAL": 1}
+    T = TaskType
+    for blocks, context in ((132, 8192), (7, 100)):
+        schedule = build_schedule(config, batch, blocks, attention_splits(config, batch, blocks, context),
+                                  **variant.schedule_options())
+        tasks = schedule.tasks.tolist()
+        layers = config.num_hidden_layers
+        assert sum(t[0] == T.NORM for t in tasks) == batch * (1 + sum(
+            config.is_dense(l) for l in range(1, layers)) + 1)  # layer 0, dense layers, the final norm
+        for seed in range(4):
+            # a task's time (10 ns to 5 us) from its record and the seed: tasks with the same record take as long
+            _, times = simulate(schedule, lambda t: 10 + hash((seed, *t)) % 5000)
+            spans: dict[tuple[int, int], tuple[float, float]] = {}  # (type, layer) -> (first met, last done)
+            for t, (_, met, done) in zip(tasks, times):
+                first, last = spans.get((t[0], t[1]), (float("inf"), 0))
+                spans[t[0], t[1]] = (min(first, met), max(last, done))
+
+            def met(kind, layer):
+                return spans.get((kind, layer), (float("inf"), 0))[0]
+
+            def done(kind, layer):
+                return spans.get((kind, layer), (float("inf"), 0))[1]
+
+            adders, zeroers = (T.OPROJ, T.MOE_DOWN, T.DENSE_DOWN), (T.ROUTER, T.DENSE_UP)
+            x_readers, h_writers = (T.NORM, T.QKV, T.ROUTER, T.OPROJ), (T.NORM, T.QKV, T.ROUTER)
+            h_readers = (T.QKV, T.ROUTER, T.MOE_UP, T.DENSE_UP)
+            for l in range(layers):
+                zeroed = max(done(k, l) for k in zeroers if (k, l) in spans)
+                assert all(met(k, l) >= zeroed for k in adders), f"layer {l}: an add before the zeroing"
+                for k in x_readers:
+                    if (k, l) in spans and l + 1 < layers:
+                        assert done(k, l) <= min(met(z, l + 1) for z in zeroers), f"layer {l + 1} zeroes under {k.name}"
+                    if (k, l) in spans and l > 0:
+                        assert met(k, l) >= max(done(a, l - 1) for a in adders), f"layer {l}: {k.name} before the adds"
+                if l > 0:
+                    for w in h_writers:
+                        if (w, l) in spans:
+                            assert met(w, l) >= max(done(r, l - 1) for r in h_readers), f"layer {l}: {w.name} on h"
+                if (T.MOE_UP, l) in spans:
+                    assert met(T.MOE_UP, l) >= min(done(w, l) for w in (T.NORM, T.ROUTER) if (w, l) in spans)
+            final = [i for i, t in enumerate(tasks) if t[0] == T.NORM and t[1] == layers]
+            assert min(times[i][1] for i in final) >= max(done(a, layers - 1) for a in adders)

@@ -464,18 +464,37 @@ __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int
   return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
 }
 
+// NC_NORM_LOCAL (the norm-local variant's build; 0: the default): the residual x is two buffers by layer parity,
+// X[l % 2] what layer l reads and X[(l + 1) % 2] what it adds into, so that QKV and ROUTER tasks of sparse layers
+// after the first normalise x themselves and no NORM task sits at the layer's start (3.6 us with every other SM
+// waiting, run 84). Each layer's ROUTER tasks (DENSE_UP on dense layers) zero a slice of the next buffer, whose
+// last readers were the previous layer's; the MoE down atomics follow them through TOPK, o_proj waits for them;
+// o_proj's tiles, which cover every row once, add bf16(x read) with their own result (the in-place rounding's
+// base term). Every writer of h computes it with norm_row's arithmetic, so all write the same bits.
+#ifndef NC_NORM_LOCAL
+#define NC_NORM_LOCAL 0
+#endif
+__device__ __forceinline__ float* x_in(const Params& p, int layer) {  // [8, H]: what layer `layer` reads
+  return NC_NORM_LOCAL ? p.x + (size_t)(layer & 1) * kMaxBatch * kHidden : p.x;
+}
+__device__ __forceinline__ float* x_out(const Params& p, int layer) {  // [8, H]: what it adds into
+  return NC_NORM_LOCAL ? p.x + (size_t)((layer + 1) & 1) * kMaxBatch * kHidden : p.x;
+}
+
 // ====  4. Task: NORM  ==========================================================================
 //   One row: on layer 0 the residual is the embedding of tokens[row]; on later layers it is rounded
 //   to bf16 (the reference keeps the residual in bf16). h = norm(x) * weight in bf16. arg1 != 0: the
 //   final norm (t.layer = the number of layers). Inputs: x [8, H] (fp32). Outputs: x, h [8, H], and
 //   the rounded residual into trace_x[t.layer] when tracing.
-__device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
+// One row of h (and, kWriteX, the rounded residual back into x and the trace): task_norm's body, and NC_NORM_LOCAL's
+// local norms (kWriteX false: x is read only; trace_row: whether this caller writes the trace).
+template <bool kWriteX>
+__device__ __forceinline__ void norm_row(const Params& p, int layer, int row, bool final_norm, bool trace_row,
+                                         float* scratch) {
   constexpr int kPer = (kHidden + kThreads - 1) / kThreads;
-  float* scratch = reinterpret_cast<float*>(smem);
-  const int row = t.arg[0], layer = t.layer;
-  const bool final_norm = t.arg[1] != 0, embed = layer == 0 && !final_norm;
-  float* xr = p.x + (size_t)row * kHidden;
-  float* trace = p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + row) * kHidden : nullptr;
+  const bool embed = layer == 0 && !final_norm;
+  float* xr = x_in(p, layer) + (size_t)row * kHidden;
+  float* trace = p.trace_x && trace_row ? p.trace_x + ((size_t)layer * kMaxBatch + row) * kHidden : nullptr;
   const bf16* weight = final_norm ? p.final_norm : layer_ptr(p, layer, LP_NORM);
   int token = 0;
   if (embed) {
@@ -498,7 +517,7 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
     v[j] = 0.f;
     if (i < kHidden) {
       v[j] = embed ? to_f(p.embed[(size_t)token * kHidden + i]) : bf16_round(__ldcg(xr + i));
-      xr[i] = v[j];
+      if (kWriteX) xr[i] = v[j];
       if (trace) trace[i] = v[j];
       sum += v[j];
     }
@@ -529,6 +548,27 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
   }
 #endif
 }
+
+__device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
+  norm_row<true>(p, t.layer, t.arg[0], t.arg[1] != 0, true, reinterpret_cast<float*>(smem));
+}
+
+#if NC_NORM_LOCAL
+// Every batch row of h, by a task that reads it (QKV, ROUTER: their arg says so), instead of NORM tasks. `trace`:
+// this task writes the layer's trace rows (one task a layer does).
+__device__ void norm_rows_local(const Params& p, int layer, bool trace, unsigned char* smem) {
+  for (int b = 0; b < p.batch_size; ++b) norm_row<false>(p, layer, b, false, trace, reinterpret_cast<float*>(smem));
+  __syncthreads();  // h's rows are written before the block's product reads them
+}
+
+// Slice `slice` of `slices` of the rows x_out(layer) gets (batch rows only): zeroed before the layer adds into it.
+__device__ void zero_x_slice(const Params& p, int layer, int slice, int slices) {
+  float* x = x_out(p, layer);
+  const long long n = (long long)p.batch_size * kHidden;
+  const int lo = (int)(n * slice / slices), hi = (int)(n * (slice + 1) / slices);
+  for (int i = lo + threadIdx.x; i < hi; i += kThreads) x[i] = 0.f;
+}
+#endif
 
 
 // ====  5. Task: QKV  ===========================================================================
@@ -575,6 +615,9 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
 
 __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+#if NC_NORM_LOCAL
+  if (t.arg[3]) norm_rows_local(p, t.layer, false, smem);  // arg3: the layer has no NORM task
+#endif
   const int end = t.arg[0] + t.arg[1];
   for (int tile = t.arg[0]; tile < end; tile += 2) {  // two tiles per product when the task has them
     if (tile + 1 < end) {
@@ -863,22 +906,37 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
 // ====  8. Task: OPROJ  =========================================================================
 //   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
 //   branch adds into the same rows).
-__device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
+// Adds o_proj's result for rows 16 tile .. + 15 into x_out; NC_NORM_LOCAL with `base`: bf16(x_in) with it.
+__device__ __forceinline__ void oproj_add(const Params& p, int layer, int tile, bool base, const float* out) {
+  const int i = threadIdx.x, r = i >> 3, b = i & 7;
+  if (i < 128 && b < p.batch_size) {
+    const size_t at = (size_t)b * kHidden + tile * 16 + r;
+    float add = bf16_round(out[i]);
+    if (NC_NORM_LOCAL && base) add += bf16_round(__ldcg(x_in(p, layer) + at));
+    atomicAdd(x_out(p, layer) + at, add);
+  }
+}
+
+__device__ void oproj_tile(const Params& p, int layer, int tile, bool base, GemmSmem& s) {
   const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
   const int valid[1] = {16};
   mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
-  const int i = threadIdx.x, r = i >> 3, b = i & 7;
-  if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
+  oproj_add(p, layer, tile, base, s.out);
 }
 
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
-  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) oproj_tile(p, t.layer, tile, *reinterpret_cast<GemmSmem*>(smem));
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile)  // arg2: add x's base term (NC_NORM_LOCAL)
+    oproj_tile(p, t.layer, tile, t.arg[2] != 0, *reinterpret_cast<GemmSmem*>(smem));
 }
 
 // ====  9. Task: ROUTER  ========================================================================
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+#if NC_NORM_LOCAL
+  if (t.arg[3] > 0) zero_x_slice(p, t.layer, t.arg[0], t.arg[3]);  // arg3: the layer's ROUTER tasks (one tile each)
+  if (t.arg[2]) norm_rows_local(p, t.layer, t.arg[0] == 0, smem);  // arg2: the layer has no NORM task
+#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
@@ -1277,7 +1335,8 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
     reduce_warps<2>(acc, s.red, s.out);
     const int n = threadIdx.x >> 7, r = (threadIdx.x >> 3) & 15, b = threadIdx.x & 7;
     if (weight != 0.f)
-      atomicAdd(p.x + (size_t)b * kHidden + row0 + n * 16 + r, bf16_round(bf16_round(s.out[threadIdx.x]) * weight));
+      atomicAdd(x_out(p, t.layer) + (size_t)b * kHidden + row0 + n * 16 + r,
+                bf16_round(bf16_round(s.out[threadIdx.x]) * weight));
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   __syncthreads();
@@ -1340,8 +1399,7 @@ __device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* s
       oproj_issue(w, ring, j + kOprojStages);
     }
     reduce_warps<1>(acc, s.red, s.out);
-    const int i = threadIdx.x, r = i >> 3, b = i & 7;
-    if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(s.out[i]));
+    oproj_add(p, t.layer, tile, t.arg[2] != 0, s.out);
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the task (the next reuses the memory)
   __syncthreads();
@@ -1352,6 +1410,9 @@ __device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* s
 //   (32 rows of H, K = I_dense) -> x += bf16(result).
 __device__ void task_dense_up(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+#if NC_NORM_LOCAL
+  if (t.arg[2] > 0) zero_x_slice(p, t.layer, t.arg[0], t.arg[2]);  // arg2: the layer's DENSE_UP tasks (one tile each)
+#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[2] = {layer_ptr(p, t.layer, LP_GATE) + (size_t)tile * 16 * kHidden,
                             layer_ptr(p, t.layer, LP_UP) + (size_t)tile * 16 * kHidden};
@@ -1373,7 +1434,8 @@ __device__ void task_dense_down(const Params& p, const Task& t, unsigned char* s
     const int valid[2] = {16, 16};
     mma_tiles<2>(tiles, valid, kDenseWidth, p.dense_act, kDenseWidth, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
-    if (b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 32 + n * 16 + r, bf16_round(s.out[i]));
+    if (b < p.batch_size)
+      atomicAdd(x_out(p, t.layer) + (size_t)b * kHidden + tile * 32 + n * 16 + r, bf16_round(s.out[i]));
   }
 }
 

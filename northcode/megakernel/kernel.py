@@ -338,7 +338,8 @@ class Megakernel:
         c, dev, b = self.config, self.device, MAX_BATCH
         group_width = c.num_attention_heads // c.num_key_value_heads * c.head_dim
         f32, bf16 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.bfloat16, device=dev)
-        self.x, self.h = torch.zeros(b, c.hidden_size, **f32), torch.zeros(b, c.hidden_size, **bf16)
+        x_buffers = 2 if self.build_defines.get("NC_NORM_LOCAL") else 1  # norm-local: x by layer parity
+        self.x, self.h = torch.zeros(x_buffers * b, c.hidden_size, **f32), torch.zeros(b, c.hidden_size, **bf16)
         self.q, self.attn_out = torch.zeros(b, c.q_size, **bf16), torch.zeros(b, c.q_size, **bf16)
         self.attn_partial = torch.zeros(b, c.num_key_value_heads, MAX_SPLITS, group_width, **f32)
         self.attn_ml = torch.zeros(b, c.num_key_value_heads, MAX_SPLITS, group_width // c.head_dim, 2, **f32)

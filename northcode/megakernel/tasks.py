@@ -205,17 +205,19 @@ class _WaveMaker:
         return _WaveSpec(mode, row, n, self._patterns[key][0])
 
 
-def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, norm_done: int,
-                     num_splits: int, combine_mode: str = "plain",
-                     attn_mode: str = "plain") -> tuple[list, tuple[int, int]]:
-    """One layer's QKV, ATTN (placed as attn_mode says), COMBINE (as combine_mode says) and OPROJ waves; also
-    allocates the layer's MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters'
-    reference order."""
+def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, qkv_waits: tuple,
+                     num_splits: int, combine_mode: str = "plain", attn_mode: str = "plain",
+                     norm_local: tuple | None = None) -> tuple[list, tuple[int, int]]:
+    """One layer's QKV (waiting on qkv_waits), ATTN (placed as attn_mode says), COMBINE (as combine_mode says) and
+    OPROJ waves; also allocates the layer's MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)),
+    in the counters' reference order. norm_local (the NC_NORM_LOCAL build): (QKV normalises x itself, the wait
+    that orders o_proj after the x buffer's zeroing)."""
     batch, kvh = m.batch, m.kvh
     qkv_done = counters.alloc(kvh)
     qkv_args = ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer)))
-    qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), qkv_args, ((norm_done, batch),),
-                 (qkv_done, m.qkv_group))
+    if norm_local:
+        qkv_args += (int(norm_local[0]),)
+    qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), qkv_args, qkv_waits, (qkv_done, m.qkv_group))
     attn_done = counters.alloc(batch * kvh)
     combine_done, oproj_done, mlp_done = counters.alloc(), counters.alloc(), counters.alloc()
     b, g, s, head, group_tasks = m.attention(num_splits)
@@ -223,40 +225,55 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
                   (((qkv_done, g), (0, group_tasks)),), (attn_done, head))
     combine = m.wave(combine_mode, TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
                      (((attn_done, m.heads), num_splits),), combine_done)
-    oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, ((0, m.arange(m.oproj_tiles)), 1),
-                   ((combine_done, batch * kvh),), oproj_done)
+    oproj_args, oproj_waits = ((0, m.arange(m.oproj_tiles)), 1), ((combine_done, batch * kvh),)
+    if norm_local:  # arg2: add bf16(x read) with the result; after the zeroing of the x it adds into
+        oproj_args, oproj_waits = oproj_args + (1,), oproj_waits + (norm_local[1],)
+    oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, oproj_args, oproj_waits, oproj_done)
     return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
 
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
                  order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False,
-                 moe_fused: bool = False, attention_blocks: int = 0) -> tuple[list, tuple]:
+                 moe_fused: bool = False, attention_blocks: int = 0, norm_local: bool = False) -> tuple[list, tuple]:
     """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on.
-    attention_blocks: a sparse layer's ATTN tasks on the last that many blocks, which take no MoE up tile."""
-    norm_done = counters.alloc()
-    norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
-    apart = combine_blocks_apart(c, m.batch, num_blocks, combine_apart and not c.is_dense(layer))
-    attn_blocks = 0 if c.is_dense(layer) else min(attention_blocks, num_blocks // 2)  # half the blocks stream up tiles
+    attention_blocks: a sparse layer's ATTN tasks on the last that many blocks, which take no MoE up tile.
+    norm_local (the NC_NORM_LOCAL build): sparse layers after the first have no NORM task (QKV and ROUTER
+    normalise x, waiting on the previous layer as NORM did); every layer's ROUTER (DENSE_UP) tasks zero the x it
+    adds into, and o_proj waits for them."""
+    dense, up_tiles = c.is_dense(layer), c.dense_intermediate_size // 16
+    router_tiles = math.ceil(c.num_experts / 16)
+    local = norm_local and layer > 0 and not dense
+    zeroers = None
+    if norm_local:  # the zeroing tasks' counter first: o_proj waits on it
+        zeroers = (counters.alloc(), up_tiles if dense else router_tiles)
+    waves, norm_waits = [], previous
+    if not local:
+        norm_done = counters.alloc()
+        waves.append(m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done))
+        norm_waits = ((norm_done, m.batch),)
+    apart = combine_blocks_apart(c, m.batch, num_blocks, combine_apart and not dense)
+    attn_blocks = 0 if dense else min(attention_blocks, num_blocks // 2)  # half the blocks stream up tiles
     (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(
-        c, layer, m, counters, norm_done, num_splits, "last" if apart else "plain",
-        f"tail:{attn_blocks}" if attn_blocks else "plain")
+        c, layer, m, counters, norm_waits, num_splits, "last" if apart else "plain",
+        f"tail:{attn_blocks}" if attn_blocks else "plain", (local, zeroers) if norm_local else None)
     no_up = max(apart, attn_blocks)  # the last blocks that take no up tile
     oproj_tiles = oproj.n
-    if c.is_dense(layer):
-        up_done = counters.alloc()
-        up_tiles, down_tiles = c.dense_intermediate_size // 16, c.hidden_size // 32
-        up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, ((0, m.arange(up_tiles)), 1), ((norm_done, m.batch),),
-                    up_done)
+    if dense:
+        up_done = zeroers[0] if zeroers else counters.alloc()
+        down_tiles = c.hidden_size // 32
+        up_args = ((0, m.arange(up_tiles)), 1) + ((up_tiles,) if norm_local else ())  # arg2: zero a slice of x
+        up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, up_args, norm_waits, up_done)
         down = m.wave("plain", TaskType.DENSE_DOWN, layer, down_tiles, ((0, m.arange(down_tiles)), 1),
                       ((up_done, up_tiles),), mlp_done)
-        return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
-    router_done, topk_done = counters.alloc(), counters.alloc()
+        return waves + [qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
+    router_done = zeroers[0] if zeroers else counters.alloc()
+    topk_done = counters.alloc()
     slot_done = counters.alloc(c.num_experts)
     claim = counters.alloc() if up_claims else -1
-    router_tiles = math.ceil(c.num_experts / 16)
-    # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
-    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)), 1),
-                    ((norm_done, m.batch),), router_done)
+    # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest; norm_local:
+    # arg2 normalise x here, arg3 the ROUTER tasks, each zeroing its slice of the x the layer adds into
+    router_args = ((0, m.arange(router_tiles)), 1) + ((int(local), router_tiles) if norm_local else ())
+    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args, norm_waits, router_done)
     moe_waits = ((topk_done, 1),)  # the MoE tasks read the top-k's slots
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
     # arg0: the last blocks that take no up tile (combine_apart, attention_blocks); arg1: the first "slot done"
@@ -265,12 +282,13 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     # task boundary less; COMBINE then goes before it)
     if moe_fused:
         up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim, 1), moe_waits, mlp_done)
-        return [norm, router, topk, qkv, attn, combine, up, oproj], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+        lists = waves + [router, topk, qkv, attn, combine, up, oproj]
+        return lists, ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
     up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim), moe_waits)
     down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), moe_waits, mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
-    return [norm, router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    return waves + [router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
 
 
 def combine_blocks_apart(config: ModelConfig, batch: int, num_blocks: int, wanted: bool) -> int:
@@ -322,7 +340,7 @@ def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> i
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
                    up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
-                   attention_blocks: int = 0) -> Schedule:
+                   attention_blocks: int = 0, norm_local: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
@@ -331,7 +349,8 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     block's up and down shares in one task, after COMBINE (the order is then fixed; the kernel's NC_LEAN_FUSED build
     only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
     (one_round_q_tiles). attention_blocks (0: off): a sparse layer's attention splits only on the last that many
-    blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. Waves are
+    blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. norm_local: the
+    NC_NORM_LOCAL build's lists (_layer_waves says what changes). Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and place_waves
     per task took 0.1-0.2 s, a stall for every new batch size).
     """
@@ -342,7 +361,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
         layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             combine_apart, up_claims, moe_fused, attention_blocks)
+                                             combine_apart, up_claims, moe_fused, attention_blocks, norm_local)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))

@@ -36,6 +36,7 @@ class Variant:
     combine_apart: bool = True  # COMBINE on the last blocks, which take no up tile (tasks.COMBINE_APART_MAX)
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
     lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; a block's MoE up and down shares in one task
+    norm_local: bool = False  # the NC_NORM_LOCAL build: QKV and ROUTER normalise x, no NORM task after layer 0
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
     attention_blocks: int = 0  # a sparse layer's attention on the last that many blocks, which take no MoE up tile
     max_splits: int = 32  # KV splits per (row, head) at most (tasks.attention_splits; 32 is the kernel's MAX_SPLITS)
@@ -44,11 +45,12 @@ class Variant:
         """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
         return dict(order=self.wave_order, qkv_tiles=self.qkv_tiles, combine_apart=self.combine_apart,
                     up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round,
-                    attention_blocks=self.attention_blocks)
+                    attention_blocks=self.attention_blocks, norm_local=self.norm_local)
 
     def build_defines(self) -> dict[str, int]:
         """The -D defines of the kernel build this variant runs on (empty: the default's build)."""
-        return {"NC_LEAN_FUSED": 1} if self.lean_fused else {}
+        chosen = {"NC_LEAN_FUSED": self.lean_fused, "NC_NORM_LOCAL": self.norm_local}
+        return {name: 1 for name, on in chosen.items() if on}
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -58,6 +60,7 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-combine-apart": Variant(combine_apart=False),
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
+    "norm-local": Variant(norm_local=True),  # its own build; day 3 session 5, not yet run on a GPU
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
     **{f"attention-{n}": Variant(attention_blocks=n) for n in (32, 48, 64, 96)},  # day 3 session 3: +3 to +28%
     **{f"splits-{n}": Variant(max_splits=n) for n in (2, 4, 8, 16)},  # caps; run 59 made half the SMs the default
