@@ -470,7 +470,8 @@ __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int
 // waiting, run 84). Each layer's ROUTER tasks (DENSE_UP on dense layers) zero a slice of the next buffer, whose
 // last readers were the previous layer's; the MoE down atomics follow them through TOPK, o_proj waits for them;
 // o_proj's tiles, which cover every row once, add bf16(x read) with their own result (the in-place rounding's
-// base term). Every writer of h computes it with norm_row's arithmetic, so all write the same bits.
+// base term). A layer's h then has no writer but its local normalisers, which share norm_rows_local's arithmetic:
+// all write the same bits.
 #ifndef NC_NORM_LOCAL
 #define NC_NORM_LOCAL 0
 #endif
@@ -486,15 +487,13 @@ __device__ __forceinline__ float* x_out(const Params& p, int layer) {  // [8, H]
 //   to bf16 (the reference keeps the residual in bf16). h = norm(x) * weight in bf16. arg1 != 0: the
 //   final norm (t.layer = the number of layers). Inputs: x [8, H] (fp32). Outputs: x, h [8, H], and
 //   the rounded residual into trace_x[t.layer] when tracing.
-// One row of h (and, kWriteX, the rounded residual back into x and the trace): task_norm's body, and NC_NORM_LOCAL's
-// local norms (kWriteX false: x is read only; trace_row: whether this caller writes the trace).
-template <bool kWriteX>
-__device__ __forceinline__ void norm_row(const Params& p, int layer, int row, bool final_norm, bool trace_row,
-                                         float* scratch) {
+__device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
   constexpr int kPer = (kHidden + kThreads - 1) / kThreads;
-  const bool embed = layer == 0 && !final_norm;
+  float* scratch = reinterpret_cast<float*>(smem);
+  const int row = t.arg[0], layer = t.layer;
+  const bool final_norm = t.arg[1] != 0, embed = layer == 0 && !final_norm;
   float* xr = x_in(p, layer) + (size_t)row * kHidden;
-  float* trace = p.trace_x && trace_row ? p.trace_x + ((size_t)layer * kMaxBatch + row) * kHidden : nullptr;
+  float* trace = p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + row) * kHidden : nullptr;
   const bf16* weight = final_norm ? p.final_norm : layer_ptr(p, layer, LP_NORM);
   int token = 0;
   if (embed) {
@@ -517,7 +516,7 @@ __device__ __forceinline__ void norm_row(const Params& p, int layer, int row, bo
     v[j] = 0.f;
     if (i < kHidden) {
       v[j] = embed ? to_f(p.embed[(size_t)token * kHidden + i]) : bf16_round(__ldcg(xr + i));
-      if (kWriteX) xr[i] = v[j];
+      xr[i] = v[j];
       if (trace) trace[i] = v[j];
       sum += v[j];
     }
@@ -549,16 +548,64 @@ __device__ __forceinline__ void norm_row(const Params& p, int layer, int row, bo
 #endif
 }
 
-__device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
-  norm_row<true>(p, t.layer, t.arg[0], t.arg[1] != 0, true, reinterpret_cast<float*>(smem));
-}
-
 #if NC_NORM_LOCAL
-// Every batch row of h, by a task that reads it (QKV, ROUTER: their arg says so), instead of NORM tasks. `trace`:
-// this task writes the layer's trace rows (one task a layer does).
+// Every batch row of h, by a task that reads it (QKV, ROUTER: their arg says so) instead of NORM tasks. The rows of
+// x and the weight come into shared memory by cp.async in one round trip (x into the MoE ring's memory, the weight
+// into GemmSmem.red, both free until the task's product), then a warp a row: no block barrier per row, and no
+// register array a row long (a register version spilled 592 bytes). All local normalisers use this arithmetic,
+// so all write the same bits (a layer with local norms has no NORM task to disagree with). `trace`: this task
+// writes the layer's trace rows (one task a layer does).
+static_assert(kHidden % 128 == 0, "NC_NORM_LOCAL: a lane takes float4 pieces of a row");
+static_assert(kHidden * 2 <= sizeof(GemmSmem::red), "NC_NORM_LOCAL: the norm's weight in GemmSmem.red");
 __device__ void norm_rows_local(const Params& p, int layer, bool trace, unsigned char* smem) {
-  for (int b = 0; b < p.batch_size; ++b) norm_row<false>(p, layer, b, false, trace, reinterpret_cast<float*>(smem));
-  __syncthreads();  // h's rows are written before the block's product reads them
+  float* xs = reinterpret_cast<float*>(smem + kMoeRingOffset);                    // [batch][H]
+  bf16* ws = reinterpret_cast<bf16*>(reinterpret_cast<GemmSmem*>(smem)->red);  // [H]
+  const float* x = x_in(p, layer);
+  const bf16* weight = layer_ptr(p, layer, LP_NORM);
+  __syncthreads();  // the previous user of this memory is done
+  for (int k = threadIdx.x; k < p.batch_size * kHidden / 4; k += kThreads) cp_async16(xs + 4 * k, x + 4 * k);
+  for (int k = threadIdx.x; k < kHidden / 8; k += kThreads) cp_async16(ws + 8 * k, weight + 8 * k);
+  asm volatile("cp.async.commit_group;");
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int b = warp; b < p.batch_size; b += kWarps) {
+    const float4* row = reinterpret_cast<const float4*>(xs + (size_t)b * kHidden);  // lane: float4 lane + 32 j
+    float sum = 0.f, sq = 0.f;
+    for (int j = lane; j < kHidden / 4; j += 32) {
+      const float4 v = row[j];
+      const float a = bf16_round(v.x), c = bf16_round(v.y), d = bf16_round(v.z), e = bf16_round(v.w);
+      sum += a + c + d + e;
+      sq += a * a + c * c + d * d + e * e;
+    }
+#if NC_RMS_NORM
+    const float mean = 0.f;
+#else
+    const float mean = warp_sum(sum) / kHidden;
+    sq = 0.f;
+    for (int j = lane; j < kHidden / 4; j += 32) {
+      const float4 v = row[j];
+      const float a = bf16_round(v.x) - mean, c = bf16_round(v.y) - mean, d = bf16_round(v.z) - mean,
+                  e = bf16_round(v.w) - mean;
+      sq += a * a + c * c + d * d + e * e;
+    }
+#endif
+    const float inv = 1.0f / sqrtf(warp_sum(sq) / kHidden + p.norm_eps);
+    float* tr = trace && p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + b) * kHidden : nullptr;
+    for (int j = lane; j < kHidden / 4; j += 32) {
+      const float4 x4 = row[j];
+      const float v[4] = {bf16_round(x4.x), bf16_round(x4.y), bf16_round(x4.z), bf16_round(x4.w)};
+      __align__(8) bf16 out[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // task_norm's formulas: RMS rounds the normalised value before the weight
+        const float w = to_f(ws[4 * j + e]);
+        out[e] = __float2bfloat16_rn(NC_RMS_NORM ? w * bf16_round(v[e] * inv) : w * ((v[e] - mean) * inv));
+      }
+      *reinterpret_cast<uint2*>(p.h + (size_t)b * kHidden + 4 * j) = *reinterpret_cast<const uint2*>(out);
+      if (tr) reinterpret_cast<float4*>(tr)[j] = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  }
+  __syncthreads();  // h's rows are written (and the memory free again) before the block's product
 }
 
 // Slice `slice` of `slices` of the rows x_out(layer) gets (batch rows only): zeroed before the layer adds into it.
@@ -1075,7 +1122,8 @@ constexpr int kMoeStages = NC_MOE_STAGES;
 #define NC_MOE_PACKED 0
 #endif
 constexpr bool kUpRowSeg = NC_MOE_ROWSEG && !NC_MOE_PACKED && kHidden % 512 == 0;
-constexpr int kRowSegSteps = kHidden / 512;  // kUpRowSeg: steps per matrix of an up tile (4 at H = 2048)
+// kUpRowSeg: steps per matrix of an up tile (4 at H = 2048; 1 where H < 512 keeps the unused index math defined)
+constexpr int kRowSegSteps = kHidden >= 512 ? kHidden / 512 : 1;
 // The k-chunk of this warp's j-th activation piece of an up tile.
 __device__ __forceinline__ int up_chunk(int j, int warp) {
   return kUpRowSeg ? 16 * (j >> 1) + 2 * warp + (j & 1) : warp + kWarps * j;
@@ -1102,6 +1150,8 @@ __device__ __forceinline__ int down_chunk(int j, int warp) {
   return kDownRows ? kDownSteps * warp + j : warp + kWarps * j;
 }
 constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
+static_assert(!NC_NORM_LOCAL || (size_t)kMaxBatch * kHidden * 4 <= (size_t)kMoeStages * 4 * kThreads * 16,
+              "NC_NORM_LOCAL: norm_rows_local's rows of x in the MoE ring's memory");
 
 enum StreamKind : int { STREAM_DOWN = 0, STREAM_UP = 1 };
 struct MoeStream {  // one lane's view of a task's weight stream: tile i of the block's list, step j of it
