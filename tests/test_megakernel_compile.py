@@ -112,3 +112,23 @@ def test_packed_experts_put_each_chunks_16_rows_together() -> None:
     assert packed_copy(weight) is first
     weight.add_(1)
     assert packed_copy(weight) is not first and torch.equal(packed_copy(weight), pack_row_blocks(weight))
+
+
+def test_weights_must_be_contiguous_aligned_bfloat16_and_named_when_not() -> None:
+    """Megakernel._check_weights (CPU tensors stand in for the GPU's): the kernel reads weights in 16-byte pieces,
+    so a view that starts mid-allocation is refused with its name, as a wrong dtype is."""
+    import types
+
+    import torch
+
+    from northcode.megakernel.kernel import Megakernel
+
+    host = types.SimpleNamespace(device=torch.device("cpu"))
+    good = {name: torch.zeros(64, dtype=torch.bfloat16)
+            for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
+    assert Megakernel._check_weights(host, good) == good
+    shifted = torch.zeros(72, dtype=torch.bfloat16)[4:]  # 8 bytes into its storage
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.input_norm\.weight .*multiple of 16"):
+        Megakernel._check_weights(host, {**good, "model.layers.3.input_norm.weight": shifted})
+    with pytest.raises(ValueError, match=r"lm_head\.weight must be a contiguous bfloat16"):
+        Megakernel._check_weights(host, {**good, "lm_head.weight": torch.zeros(64)})

@@ -314,6 +314,9 @@ class Megakernel:
             if tensor.dtype != torch.bfloat16 or tensor.device != self.device or not tensor.is_contiguous():
                 raise ValueError(f"megakernel: weight {name} must be a contiguous bfloat16 tensor on {self.device} "
                                  f"(got {tensor.dtype} on {tensor.device}, contiguous={tensor.is_contiguous()})")
+            if tensor.data_ptr() % 16:  # the kernel reads weights in 16-byte pieces (loads and cp.async)
+                raise ValueError(f"megakernel: weight {name} starts at an address that is not a multiple of 16 bytes "
+                                 f"(a view into a larger tensor?); copy it with .clone()")
             checked[name] = tensor
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             if name not in checked:
