@@ -24,9 +24,32 @@ def test_the_report_shows_phases_occupancy_and_the_gating_chain(tmp_path) -> Non
     assert "first met" in text and "blocks busy per bucket" in text
     chain = text.split("what gated the layer's end:")[1].split("between tasks")[0].strip().splitlines()
     assert chain[0].startswith("OPROJ"), chain[0]  # the slow task finishes the layer
-    assert chain[-1].startswith("NORM") or "first task" in chain[-1] or "stops here" in chain[-1]
+    ends = ("first task", "stops here", "previous layer")
+    assert chain[-1].startswith("NORM") or any(end in chain[-1] for end in ends)
     phases = {line.split()[0]: line.split() for line in text.splitlines()[3:12] if line and line.split()[0].isupper()}
     assert float(phases["OPROJ"][-1]) == 9.0  # busy max, us
+
+
+def test_a_layer_without_norm_reads_from_its_first_task(tmp_path) -> None:
+    """The norm-local build's sparse layers have no NORM task: the report's times start at the layer's first
+    task's dependencies met, and the gating chain ends where it reaches the previous layer."""
+    from northcode.megakernel.tasks import layer_timeline
+
+    config = preset_config("tiny")
+    schedule = build_schedule(config, 1, 6, attention_splits(config, 1, 6, 300), norm_local=True)
+    assert not any(t[0] == TaskType.NORM and t[1] == 2 for t in schedule.tasks.tolist())
+    _, times = simulate(schedule, lambda t: 9000 if t[0] == TaskType.OPROJ else 1000)
+    path = tmp_path / "profile-megakernel-norm-local-b1-c300.pt"
+    torch.save(dict(tasks=schedule.tasks, task_start=schedule.task_start, times=torch.tensor(times)), path)
+    text = report(path, 2, 2.0)
+    phases = {line.split()[0]: line.split() for line in text.splitlines()[3:12] if line and line.split()[0].isupper()}
+    assert "NORM" not in phases and min(float(row[2]) for row in phases.values()) == 0.0  # first met, us
+    chain = text.split("what gated the layer's end:")[1].split("between tasks")[0].strip().splitlines()
+    assert chain[0].startswith("OPROJ") and "previous layer" in chain[-1], chain
+    stamps = torch.tensor(times, dtype=torch.float64)
+    kinds, layers = schedule.tasks[:, 0].tolist(), schedule.tasks[:, 1].tolist()
+    timeline = layer_timeline(kinds, layers, stamps[:, 1], stamps[:, 2], 2)
+    assert "NORM" not in timeline and " 0.0-" in timeline and "OPROJ" in timeline, timeline
 
 
 def test_two_profiles_side_by_side_show_which_task_type_changed(tmp_path) -> None:

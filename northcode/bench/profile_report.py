@@ -34,13 +34,14 @@ def block_of(starts: list[int]) -> list[int]:
 
 
 def layer_tasks(record: dict, layer: int) -> tuple[list[int], float]:
-    """Indices of the layer's tasks and its origin (ns: the first NORM's dependencies met)."""
+    """Indices of the layer's tasks and its origin (ns: the first NORM's dependencies met; in a layer without a
+    NORM task, the norm-local build's, its first task's)."""
     tasks, times = record["tasks"], record["times"]
     picked = [i for i, t in enumerate(tasks) if t[LAYER] == layer and t[TYPE] not in (TaskType.LM_HEAD, TaskType.SAMPLE)]
+    if not picked:
+        raise ValueError(f"layer {layer} has no task in this record")
     norms = [times[i][1] for i in picked if tasks[i][TYPE] == TaskType.NORM]
-    if not norms:
-        raise ValueError(f"layer {layer} has no NORM task in this record")
-    return picked, float(min(norms))
+    return picked, float(min(norms or [times[i][1] for i in picked]))
 
 
 def phases(record: dict, picked: list[int], origin: float) -> list[str]:
@@ -87,6 +88,9 @@ def critical_chain(record: dict, picked: list[int], origin: float) -> list[str]:
         t = tasks[current]
         start, met = times[current][0], times[current][1]
         if t[TYPE] == TaskType.NORM and t[LAYER] == tasks[picked[0]][LAYER]:
+            break
+        if t[LAYER] != tasks[picked[0]][LAYER]:  # a layer without NORM: its first tasks wait on the previous one
+            chain[-1] = (-1, "the previous layer's end")
             break
         waits = [c for c in (t[WAIT0], t[WAIT1]) if c >= 0]
         if not waits or met - start < 500:  # ready when it started: the block was busy with its previous task
@@ -177,7 +181,7 @@ def compare(path: Path, other: Path) -> str:
 def report(path: Path, layer: int, bucket_us: float) -> str:
     record = load(path)
     picked, origin = layer_tasks(record, layer)
-    out = [f"{path.name}: layer {layer}, times in us from its first NORM's dependencies met", ""]
+    out = [f"{path.name}: layer {layer}, times in us from its first NORM's (or first task's) dependencies met", ""]
     out += phases(record, picked, origin) + ["", "blocks busy per bucket:"] + occupancy(record, picked, origin, bucket_us)
     out += ["", "what gated the layer's end:"] + critical_chain(record, picked, origin)
     out += ["", "between tasks (us a task):"] + switches(record, picked)
