@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from northcode.megakernel.tasks import TaskType
+from northcode.megakernel.tasks import TaskType, layer_origin
 
 TYPE, LAYER, WAIT0, WAIT1, TARGET0, TARGET1, SIGNAL = 0, 1, 8, 9, 10, 11, 12  # Task record columns
 
@@ -40,8 +40,7 @@ def layer_tasks(record: dict, layer: int) -> tuple[list[int], float]:
     picked = [i for i, t in enumerate(tasks) if t[LAYER] == layer and t[TYPE] not in (TaskType.LM_HEAD, TaskType.SAMPLE)]
     if not picked:
         raise ValueError(f"layer {layer} has no task in this record")
-    norms = [times[i][1] for i in picked if tasks[i][TYPE] == TaskType.NORM]
-    return picked, float(min(norms or [times[i][1] for i in picked]))
+    return picked, layer_origin(picked, [t[TYPE] for t in tasks], [t[1] for t in times])
 
 
 def phases(record: dict, picked: list[int], origin: float) -> list[str]:

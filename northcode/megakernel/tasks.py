@@ -467,13 +467,19 @@ def summarize_profile(tasks: torch.Tensor, task_start: torch.Tensor, times: torc
                 timelines={layer: layer_timeline(kinds, layers, met, done, layer) for layer in (24, 25) if layer in layer_end})
 
 
+def layer_origin(picked: list[int], kinds, met) -> float:
+    """When a profiled layer starts (ns): its first NORM's dependencies met, or, in a layer without a NORM task
+    (the norm-local build), its first task's. picked: the layer's task indices; kinds, met: per task."""
+    norms = [float(met[i]) for i in picked if kinds[i] == TaskType.NORM]
+    return min(norms or [float(met[i]) for i in picked])
+
+
 def layer_timeline(kinds: list[int], layers: list[int], met: torch.Tensor, done: torch.Tensor, layer: int) -> str:
     """One layer's critical path: per task type, when its first task's dependencies were met and when its
     last task finished, in us from the layer's first NORM start (its first task's where it has no NORM: the
     norm-local build); e.g. "NORM 0.0-1.1 QKV 1.3-8.2 ..."."""
     picked = [i for i, (k, l) in enumerate(zip(kinds, layers)) if l == layer and k not in (TaskType.LM_HEAD, TaskType.SAMPLE)]
-    norms = [float(met[i]) for i in picked if kinds[i] == TaskType.NORM]
-    origin = min(norms or [float(met[i]) for i in picked])
+    origin = layer_origin(picked, kinds, met)
     parts = []
     for kind in sorted({kinds[i] for i in picked}):
         mine = [i for i in picked if kinds[i] == kind]
