@@ -39,22 +39,23 @@ def kernel_text(cubin: bytes, section: str = KERNEL_SECTION) -> bytes:
     raise ValueError(f"no section {section} in the cubin")
 
 
-def build_command(preset: str, output: Path) -> list[str]:
-    """nvcc_command's flags and defines (geometry, NORTHCODE_MEGAKERNEL_TUNING), for a cubin instead of a library."""
-    from northcode.megakernel.kernel import nvcc_command
+def build_command(preset: str, output: Path, variant: str = "default") -> list[str]:
+    """nvcc_command's flags and defines (geometry, NORTHCODE_MEGAKERNEL_TUNING, the variant's own build's), for a
+    cubin instead of a library."""
+    from northcode.megakernel.kernel import VARIANTS, nvcc_command
     from northcode.model.synthetic import preset_config
 
     config = preset_config(preset, 1003 if preset == "tiny" else None)
-    command = nvcc_command(config, output, ("-Xptxas", "-v"))
+    command = nvcc_command(config, output, ("-Xptxas", "-v"), VARIANTS[variant].build_defines())
     library_only = {"-shared", "-fPIC"}
     kept = [arg for i, arg in enumerate(command)
             if arg not in library_only and not (arg == "-Xcompiler" and command[i + 1] == "-fPIC")]
     return kept[:1] + ["-cubin"] + kept[1:]
 
 
-def build(preset: str, output: Path) -> str:
+def build(preset: str, output: Path, variant: str = "default") -> str:
     """Builds the cubin; returns ptxas's registers and spills of the kernel ("255 registers, 0 bytes spilled")."""
-    result = subprocess.run(build_command(preset, output), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(build_command(preset, output, variant), capture_output=True, text=True, timeout=600)
     if result.returncode:
         raise RuntimeError(result.stderr[-3000:])
     registers = re.findall(r"Used (\d+) registers", result.stderr)
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     make = commands.add_parser("build", help="build the kernel's cubin (NORTHCODE_MEGAKERNEL_TUNING applies)")
     make.add_argument("output", type=Path)
     make.add_argument("--preset", default="north-mini-code")
+    make.add_argument("--variant", default="default", help="a megakernel variant (its own build's defines apply)")
     same = commands.add_parser("same", help="compare two cubins' kernel code byte for byte")
     same.add_argument("cubins", type=Path, nargs=2)
     lines = commands.add_parser("region", help="instructions inlined from one source line of megakernel.cu")
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.add_argument("line", type=int)
     args = parser.parse_args(argv)
     if args.command == "build":
-        print(f"{args.output}: {build(args.preset, args.output)}")
+        print(f"{args.output}: {build(args.preset, args.output, args.variant)}")
     elif args.command == "same":
         a, b = (kernel_text(path.read_bytes()) for path in args.cubins)
         print(f"{'identical' if a == b else 'different'}: {len(a)} and {len(b)} bytes of kernel code")

@@ -549,60 +549,114 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
 }
 
 #if NC_NORM_LOCAL
-// Every batch row of h, by a task that reads it (QKV, ROUTER: their arg says so) instead of NORM tasks. The rows of
-// x and the weight come into shared memory by cp.async in one round trip (x into the MoE ring's memory, the weight
-// into GemmSmem.red, both free until the task's product), then a warp a row: no block barrier per row, and no
-// register array a row long (a register version spilled 592 bytes). All local normalisers use this arithmetic,
-// so all write the same bits (a layer with local norms has no NORM task to disagree with). `trace`: this task
-// writes the layer's trace rows (one task a layer does).
-static_assert(kHidden % 128 == 0, "NC_NORM_LOCAL: a lane takes float4 pieces of a row");
-static_assert(kHidden * 2 <= sizeof(GemmSmem::red), "NC_NORM_LOCAL: the norm's weight in GemmSmem.red");
+// Every batch row of h, by a task that reads it (QKV, ROUTER: their arg says so) instead of NORM tasks. Each thread
+// owns float4 pieces tid, tid + kThreads, .. of every row (columns 4 piece .. 4 piece + 3): its pieces of x come into
+// shared memory by cp.async (the MoE ring's memory, free until the task's product: one round trip for all rows,
+// no registers a row long; a thread reads back only its own pieces, so no barrier before the arithmetic), its
+// weights into registers; then the whole block reduces every row at once (run 87: a warp a row took ~2.5 us at
+// B = 1, about what the NORM task it replaced took). All local normalisers use this arithmetic, so all write the
+// same bits (a layer with local norms has no NORM task to disagree with). `trace`: this task writes the layer's
+// trace rows (one task a layer does).
+constexpr int kNormPieces = (kHidden / 4 + kThreads - 1) / kThreads;  // float4 pieces of a row a thread owns
+static_assert(kHidden % 4 == 0, "NC_NORM_LOCAL: a thread takes float4 pieces of a row");
+static_assert(2 * kWarps * kMaxBatch <= sizeof(GemmSmem::red) / 4, "NC_NORM_LOCAL: the row sums in GemmSmem.red");
+
+// The block's sums of part[b] (each thread's share of row b), for b < kMaxBatch; `red`: [kWarps][kMaxBatch].
+__device__ __forceinline__ void block_sums_rows(float (&part)[kMaxBatch], float* red) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) {
+    const float total = warp_sum(part[b]);
+    if (lane == 0) red[warp * kMaxBatch + b] = total;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) {
+    part[b] = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) part[b] += red[w * kMaxBatch + b];
+  }
+}
+
 __device__ void norm_rows_local(const Params& p, int layer, bool trace, unsigned char* smem) {
-  float* xs = reinterpret_cast<float*>(smem + kMoeRingOffset);                    // [batch][H]
-  bf16* ws = reinterpret_cast<bf16*>(reinterpret_cast<GemmSmem*>(smem)->red);  // [H]
+  float* xs = reinterpret_cast<float*>(smem + kMoeRingOffset);  // [batch][H]
+  float* red = reinterpret_cast<GemmSmem*>(smem)->red;          // [2][kWarps][kMaxBatch]
   const float* x = x_in(p, layer);
   const bf16* weight = layer_ptr(p, layer, LP_NORM);
+  const int batch = p.batch_size;
   __syncthreads();  // the previous user of this memory is done
-  for (int k = threadIdx.x; k < p.batch_size * kHidden / 4; k += kThreads) cp_async16(xs + 4 * k, x + 4 * k);
-  for (int k = threadIdx.x; k < kHidden / 8; k += kThreads) cp_async16(ws + 8 * k, weight + 8 * k);
+  for (int b = 0; b < batch; ++b)
+#pragma unroll
+    for (int j = 0; j < kNormPieces; ++j) {
+      const int piece = threadIdx.x + j * kThreads;
+      if (piece < kHidden / 4) cp_async16(xs + (size_t)b * kHidden + 4 * piece, x + (size_t)b * kHidden + 4 * piece);
+    }
   asm volatile("cp.async.commit_group;");
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-  __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int b = warp; b < p.batch_size; b += kWarps) {
-    const float4* row = reinterpret_cast<const float4*>(xs + (size_t)b * kHidden);  // lane: float4 lane + 32 j
-    float sum = 0.f, sq = 0.f;
-    for (int j = lane; j < kHidden / 4; j += 32) {
-      const float4 v = row[j];
-      const float a = bf16_round(v.x), c = bf16_round(v.y), d = bf16_round(v.z), e = bf16_round(v.w);
-      sum += a + c + d + e;
-      sq += a * a + c * c + d * d + e * e;
+  uint2 w4[kNormPieces];  // the weight's 4 columns of each piece (bf16)
+#pragma unroll
+  for (int j = 0; j < kNormPieces; ++j) {
+    const int piece = threadIdx.x + j * kThreads;
+    w4[j] = piece < kHidden / 4 ? __ldg(reinterpret_cast<const uint2*>(weight) + piece) : make_uint2(0, 0);
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");  // this thread's own pieces
+  // v(b, j, e): element e of piece j of row b, rounded to bf16 as the reference's residual
+  auto piece_of = [&](int b, int j) {
+    const float4 v = reinterpret_cast<const float4*>(xs + (size_t)b * kHidden)[threadIdx.x + j * kThreads];
+    return make_float4(bf16_round(v.x), bf16_round(v.y), bf16_round(v.z), bf16_round(v.w));
+  };
+  float mean[kMaxBatch], inv[kMaxBatch];
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) {
+    mean[b] = 0.f;
+    if (b < batch)
+#pragma unroll
+      for (int j = 0; j < kNormPieces; ++j)
+        if (threadIdx.x + j * kThreads < kHidden / 4) {
+          const float4 v = piece_of(b, j);
+          mean[b] += NC_RMS_NORM ? v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w : v.x + v.y + v.z + v.w;
+        }
+  }
+  block_sums_rows(mean, red);  // RMS: the sums of squares; else the sums
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b) {
+    if (NC_RMS_NORM) {
+      inv[b] = 1.0f / sqrtf(mean[b] / kHidden + p.norm_eps);
+      mean[b] = 0.f;
+    } else {
+      mean[b] /= kHidden;
+      inv[b] = 0.f;
+      if (b < batch)
+#pragma unroll
+        for (int j = 0; j < kNormPieces; ++j)
+          if (threadIdx.x + j * kThreads < kHidden / 4) {
+            const float4 v = piece_of(b, j);
+            const float a = v.x - mean[b], c = v.y - mean[b], d = v.z - mean[b], e = v.w - mean[b];
+            inv[b] += a * a + c * c + d * d + e * e;
+          }
     }
-#if NC_RMS_NORM
-    const float mean = 0.f;
-#else
-    const float mean = warp_sum(sum) / kHidden;
-    sq = 0.f;
-    for (int j = lane; j < kHidden / 4; j += 32) {
-      const float4 v = row[j];
-      const float a = bf16_round(v.x) - mean, c = bf16_round(v.y) - mean, d = bf16_round(v.z) - mean,
-                  e = bf16_round(v.w) - mean;
-      sq += a * a + c * c + d * d + e * e;
-    }
-#endif
-    const float inv = 1.0f / sqrtf(warp_sum(sq) / kHidden + p.norm_eps);
+  }
+  if (!NC_RMS_NORM) {
+    block_sums_rows(inv, red + kWarps * kMaxBatch);
+#pragma unroll
+    for (int b = 0; b < kMaxBatch; ++b) inv[b] = 1.0f / sqrtf(inv[b] / kHidden + p.norm_eps);
+  }
+  for (int b = 0; b < batch; ++b) {
     float* tr = trace && p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + b) * kHidden : nullptr;
-    for (int j = lane; j < kHidden / 4; j += 32) {
-      const float4 x4 = row[j];
-      const float v[4] = {bf16_round(x4.x), bf16_round(x4.y), bf16_round(x4.z), bf16_round(x4.w)};
+#pragma unroll
+    for (int j = 0; j < kNormPieces; ++j) {
+      const int piece = threadIdx.x + j * kThreads;
+      if (piece >= kHidden / 4) continue;
+      const float4 v4 = piece_of(b, j);
+      const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+      const bf16* w = reinterpret_cast<const bf16*>(&w4[j]);
       __align__(8) bf16 out[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // task_norm's formulas: RMS rounds the normalised value before the weight
-        const float w = to_f(ws[4 * j + e]);
-        out[e] = __float2bfloat16_rn(NC_RMS_NORM ? w * bf16_round(v[e] * inv) : w * ((v[e] - mean) * inv));
+        const float g = to_f(w[e]);
+        out[e] = __float2bfloat16_rn(NC_RMS_NORM ? g * bf16_round(v[e] * inv[b]) : g * ((v[e] - mean[b]) * inv[b]));
       }
-      *reinterpret_cast<uint2*>(p.h + (size_t)b * kHidden + 4 * j) = *reinterpret_cast<const uint2*>(out);
-      if (tr) reinterpret_cast<float4*>(tr)[j] = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<uint2*>(p.h + (size_t)b * kHidden + 4 * piece) = *reinterpret_cast<const uint2*>(out);
+      if (tr) reinterpret_cast<float4*>(tr)[piece] = v4;
     }
   }
   __syncthreads();  // h's rows are written (and the memory free again) before the block's product
