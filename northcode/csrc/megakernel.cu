@@ -716,9 +716,6 @@ __device__ const bf16* qkv_weight_tile(const Params& p, int layer, int tile) {
 
 __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-#if NC_NORM_LOCAL
-  if (t.arg[3]) norm_rows_local(p, t.layer, false, smem);  // arg3: the layer has no NORM task
-#endif
   const int end = t.arg[0] + t.arg[1];
   for (int tile = t.arg[0]; tile < end; tile += 2) {  // two tiles per product when the task has them
     if (tile + 1 < end) {
@@ -1036,7 +1033,6 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
 #if NC_NORM_LOCAL
   if (t.arg[3] > 0) zero_x_slice(p, t.layer, t.arg[0], t.arg[3]);  // arg3: the layer's ROUTER tasks (one tile each)
-  if (t.arg[2]) norm_rows_local(p, t.layer, t.arg[0] == 0, smem);  // arg2: the layer has no NORM task
 #endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
@@ -1807,6 +1803,13 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
     __syncthreads();
     if (!aborted) {
+#if NC_NORM_LOCAL  // QKV (arg3) and ROUTER (arg2) tasks of layers without NORM normalise x first; the profile's "met"
+      // is then the norm's end, so that a task's busy time is its product's alone
+      if ((t.type == TASK_QKV && t.arg[3]) || (t.type == TASK_ROUTER && t.arg[2])) {
+        norm_rows_local(p, t.layer, t.type == TASK_ROUTER && t.arg[0] == 0, smem);
+        if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
+      }
+#endif
       switch (t.type) {
         case TASK_STOP: break;
         case TASK_NORM: task_norm(p, t, smem); break;
