@@ -1047,14 +1047,23 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
 }
 
 // ====  10. Task: TOPK  =========================================================================
-//   One warp per row picks the top-k router logits (ties: lower expert id), weights them (sigmoid,
-//   optionally renormalised, or softmax over the k), then the block numbers the distinct experts in
-//   ascending id order ("slots") and writes moe_slots and slot_weight [slot][row].
+//   Picks each row's top-k router logits (ties: lower expert id), weights them (sigmoid, optionally
+//   renormalised, or softmax over the k), then the block numbers the distinct experts in ascending id
+//   order ("slots") and writes moe_slots and slot_weight [slot][row]. NC_TOPK_RANK: a thread per (row,
+//   expert) counts the logits that beat its own (its rank; rank < k: chosen, at place rank), all at once;
+//   0: a warp per row takes k warp-wide maxima in turn (~1 us at B = 1 on the step's critical path: router ->
+//   top-k -> every MoE up waits for it).
+#ifndef NC_TOPK_RANK
+#define NC_TOPK_RANK 0
+#endif
 struct TopkSmem {
   int expert[kMaxBatch][kTopK];
   float weight[kMaxBatch][kTopK];
   int used[kExperts];         // 1 where any row chose the expert
   int warp_count[kWarps];     // used experts among each warp's 32
+#if NC_TOPK_RANK
+  float logit[kMaxBatch][kExperts];  // NaN read as -inf
+#endif
 };
 static_assert(kExperts <= kThreads, "top-k: one thread per expert numbers the slots");
 
@@ -1103,16 +1112,69 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
   }
 }
 
+#if NC_TOPK_RANK
+// s.expert / s.weight [b][place] of every row's top-k and s.used, by ranks: the (row, expert) pair's rank is the
+// number of the row's logits above its own, or equal with a lower id (where E is a multiple of 32 a warp shares
+// its row: the reads of the row's logits are broadcasts). Sigmoid weights are computed by the chosen pairs' threads; renormalising and
+// softmax go over the k in place order (one thread a row), as topk_row does. Ends with a barrier.
+__device__ void topk_ranks(const Params& p, int layer, TopkSmem& s) {
+  const int pairs = p.batch_size * kExperts;
+  for (int i = threadIdx.x; i < pairs; i += kThreads) {
+    const float v = __ldcg(p.router_logits + i);
+    s.logit[i / kExperts][i % kExperts] = isnan(v) ? -INFINITY : v;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += kThreads) {
+    const int b = i / kExperts, e = i % kExperts;
+    const float* row = s.logit[b];
+    const float v = row[e];
+    int rank = 0;
+#pragma unroll 8
+    for (int other = 0; other < kExperts; ++other) {
+      const float w = row[other];
+      rank += (w > v) | ((w == v) & (other < e));
+    }
+    if (rank < kTopK) {
+      s.expert[b][rank] = e;
+      s.weight[b][rank] = NC_SELECT_SIGMOID ? bf16_round(1.f / (1.f + expf(-v))) : v;
+      s.used[e] = 1;
+      p.routed[(layer * kMaxBatch + b) * kTopK + rank] = e;
+    }
+  }
+#if !NC_SELECT_SIGMOID || NC_NORM_TOPK
+  __syncthreads();
+  const int b = threadIdx.x;
+  if (b < p.batch_size) {
+#if NC_SELECT_SIGMOID
+    float total = 0.f;
+    for (int k = 0; k < kTopK; ++k) total += s.weight[b][k];
+    total = bf16_round(total);
+    for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(s.weight[b][k] / total);
+#else
+    const float m = s.weight[b][0];
+    float total = 0.f;
+    for (int k = 0; k < kTopK; ++k) total += expf(s.weight[b][k] - m);
+    for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(expf(s.weight[b][k] - m) / total);
+#endif
+  }
+#endif
+}
+#endif
+
 // The distinct experts get slots in ascending id order: one thread per expert, a ballot per warp and the
 // warps' counts before it give the slot (no serial pass over the experts: run 21's loops took ~6 us at B=1).
 __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
   TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = threadIdx.x;
   if (e < kExperts) s.used[e] = 0;
+#if NC_TOPK_RANK
+  topk_ranks(p, t.layer, s);
+#else
   __syncthreads();
   if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
   __syncthreads();
   if (e < p.batch_size * kTopK) s.used[s.expert[e / kTopK][e % kTopK]] = 1;
+#endif
   __syncthreads();
   const bool used = e < kExperts && s.used[e];
   const unsigned ballot = __ballot_sync(0xffffffffu, used);
