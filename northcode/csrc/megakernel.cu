@@ -1029,6 +1029,15 @@ __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) 
 
 // ====  9. Task: ROUTER  ========================================================================
 //   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
+// A tile's logits (out [16 rows x 8 batch rows], fp32) rounded to bf16 as the reference: router_logits [b][e].
+__device__ __forceinline__ void router_epilogue(const Params& p, int layer, int tile, const float* out) {
+  const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
+  if (i < 128 && b < p.batch_size && e < kExperts) {
+    p.router_logits[b * kExperts + e] = bf16_round(out[i]);
+    if (p.trace_router) p.trace_router[((size_t)layer * kMaxBatch + b) * kExperts + e] = bf16_round(out[i]);
+  }
+}
+
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
 #if NC_NORM_LOCAL
@@ -1038,11 +1047,7 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
     mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
-    const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
-    if (i < 128 && b < p.batch_size && e < kExperts) {
-      p.router_logits[b * kExperts + e] = bf16_round(s.out[i]);
-      if (p.trace_router) p.trace_router[((size_t)t.layer * kMaxBatch + b) * kExperts + e] = bf16_round(s.out[i]);
-    }
+    router_epilogue(p, t.layer, tile, s.out);
   }
 }
 
@@ -1062,7 +1067,8 @@ struct TopkSmem {
   int used[kExperts];         // 1 where any row chose the expert
   int warp_count[kWarps];     // used experts among each warp's 32
 #if NC_TOPK_RANK
-  float logit[kMaxBatch][kExperts];  // NaN read as -inf
+  float logit[kMaxBatch][kExperts];     // NaN read as -inf
+  unsigned key[kMaxBatch][kExperts];    // topk_key: larger key, earlier place
 #endif
 };
 static_assert(kExperts <= kThreads, "top-k: one thread per expert numbers the slots");
@@ -1113,27 +1119,39 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
 }
 
 #if NC_TOPK_RANK
+// A logit's key: the bf16 logit's bits made monotonic in the upper half (the router's logits are rounded to
+// bf16, so the lower half of the float is free), 0xFFFF - expert in the lower half: keys are distinct, and the
+// larger key is the larger logit, or the equal one with the lower id (topk_row's order).
+__device__ __forceinline__ unsigned topk_key(float v, int e) {
+  const unsigned u = __float_as_uint(v);
+  const unsigned monotonic = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (monotonic & 0xFFFF0000u) | (0xFFFFu - (unsigned)e);
+}
 // s.expert / s.weight [b][place] of every row's top-k and s.used, by ranks: the (row, expert) pair's rank is the
-// number of the row's logits above its own, or equal with a lower id (where E is a multiple of 32 a warp shares
-// its row: the reads of the row's logits are broadcasts). Sigmoid weights are computed by the chosen pairs' threads; renormalising and
-// softmax go over the k in place order (one thread a row), as topk_row does. Ends with a barrier.
+// number of the row's keys above its own (where E is a multiple of 32 a warp shares its row: the reads of the
+// row's keys are broadcasts, four at a time). Sigmoid weights are computed by the chosen pairs' threads;
+// renormalising and softmax go over the k in place order (one thread a row), as topk_row does. Run 90: comparing
+// floats and ids took ~3.4 us more than topk_row at B = 8 (4 pairs a thread); keys make it one compare.
+static_assert(kExperts % 4 == 0, "NC_TOPK_RANK: a row's keys are read four at a time");
 __device__ void topk_ranks(const Params& p, int layer, TopkSmem& s) {
   const int pairs = p.batch_size * kExperts;
   for (int i = threadIdx.x; i < pairs; i += kThreads) {
-    const float v = __ldcg(p.router_logits + i);
-    s.logit[i / kExperts][i % kExperts] = isnan(v) ? -INFINITY : v;
+    const float raw = __ldcg(p.router_logits + i), v = isnan(raw) ? -INFINITY : raw + 0.f;  // -0 -> +0: one key
+    s.logit[i / kExperts][i % kExperts] = v;
+    s.key[i / kExperts][i % kExperts] = topk_key(v, i % kExperts);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < pairs; i += kThreads) {
     const int b = i / kExperts, e = i % kExperts;
-    const float* row = s.logit[b];
-    const float v = row[e];
+    const uint4* row = reinterpret_cast<const uint4*>(s.key[b]);
+    const unsigned mine = s.key[b][e];
     int rank = 0;
 #pragma unroll 8
-    for (int other = 0; other < kExperts; ++other) {
-      const float w = row[other];
-      rank += (w > v) | ((w == v) & (other < e));
+    for (int q = 0; q < kExperts / 4; ++q) {
+      const uint4 k4 = row[q];
+      rank += (k4.x > mine) + (k4.y > mine) + (k4.z > mine) + (k4.w > mine);
     }
+    const float v = s.logit[b][e];
     if (rank < kTopK) {
       s.expert[b][rank] = e;
       s.weight[b][rank] = NC_SELECT_SIGMOID ? bf16_round(1.f / (1.f + expf(-v))) : v;
@@ -1567,6 +1585,59 @@ __device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* s
   __syncthreads();
 }
 
+// NC_ROUTER_RING (the router-ring variant's build): a ROUTER task of one tile copies the tile's whole weight (16
+// rows x H, 64 KB at H = 2048) into the ring's memory by cp.async before its dependency wait (router_ring_prologue,
+// from the dispatcher, as o_proj's first steps), so that once h is ready only h's pieces make a round trip. The
+// router sits on the step's critical chain (NORM -> ROUTER -> TOPK -> every MoE up): run 89's ROUTER took 5.8 us
+// for its 64 KB, two round trips of mma_tiles' loads and the signal.
+#ifndef NC_ROUTER_RING
+#define NC_ROUTER_RING 0
+#endif
+constexpr int kRouterSteps = (kHidden / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (8 at H = 2048)
+static_assert(!NC_ROUTER_RING || (size_t)kRouterSteps * 2 * kThreads * 16 <= (size_t)kMoeStages * 4 * kThreads * 16,
+              "NC_ROUTER_RING: a router tile in the ring's memory");
+static_assert(!(NC_ROUTER_RING && NC_NORM_LOCAL), "NC_ROUTER_RING: not with NC_NORM_LOCAL's ROUTER tasks");
+
+// Step j of this lane: rows g and g + 8 (clamped to the tile's valid rows, as mma_tiles), k-chunk warp + 8 j.
+__device__ void router_ring_prologue(const Params& p, const Task& t, unsigned char* smem) {
+  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int valid = min(16, kExperts - t.arg[0] * 16), r_lo = min(g, valid - 1), r_hi = min(g + 8, valid - 1);
+  const bf16* w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)t.arg[0] * 16 * kHidden + warp * 32 + 8 * tq;
+#pragma unroll
+  for (int j = 0; j < kRouterSteps; ++j) {
+    if (warp + kWarps * j < kHidden / 32) {
+      uint4* slot = ring + (size_t)j * 2 * kThreads + threadIdx.x;
+      cp_async16(slot, w + (size_t)r_lo * kHidden + kWarps * 32 * j);
+      cp_async16(slot + kThreads, w + (size_t)r_hi * kHidden + kWarps * 32 * j);
+    }
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+__device__ void task_router_ring(const Params& p, const Task& t, unsigned char* smem) {
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  const uint4* ring = reinterpret_cast<const uint4*>(smem + kMoeRingOffset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const bf16* act = p.h + (size_t)g * kHidden + warp * 32 + 8 * tq;
+  uint4 xa[kRouterSteps];  // all of this lane's h pieces in one round trip
+#pragma unroll
+  for (int j = 0; j < kRouterSteps; ++j)
+    xa[j] = g < p.batch_size && warp + kWarps * j < kHidden / 32 ? load_act16(act + kWarps * 32 * j)
+                                                                  : make_uint4(0, 0, 0, 0);
+  asm volatile("cp.async.wait_group 0;" ::: "memory");  // this lane's own slots of the tile
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int j = 0; j < kRouterSteps; ++j)
+    if (warp + kWarps * j < kHidden / 32) {
+      const uint4* slot = ring + (size_t)j * 2 * kThreads + threadIdx.x;
+      mma_piece(acc[0], slot[0], slot[kThreads], xa[j]);
+    }
+  reduce_warps<1>(acc, s.red, s.out);
+  router_epilogue(p, t.layer, t.arg[0], s.out);
+  __syncthreads();  // the ring's memory is free for the next task
+}
+
 // ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================
 //   The dense layer's SwiGLU: up tiles (16 channels of gate and up, K = H) -> dense_act; down tiles
 //   (32 rows of H, K = I_dense) -> x += bf16(result).
@@ -1840,7 +1911,9 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
     if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
     const bool oproj_ring = t.type == TASK_OPROJ && (p.flags & NC_FLAG_OPROJ_RING);
+    const bool router_ring = NC_ROUTER_RING && t.type == TASK_ROUTER && t.arg[1] == 1;
     if (oproj_ring) oproj_ring_prologue(p, t, smem);  // o_proj's ring: its first loads before the wait
+    else if (router_ring) router_ring_prologue(p, t, smem);  // the router tile's weight, whole, before the wait
     else if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
     if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
       prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
@@ -1879,7 +1952,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
         case TASK_ATTN: task_attn(p, t, smem); break;
         case TASK_COMBINE: task_combine(p, t, smem); break;
         case TASK_OPROJ: if (p.flags & NC_FLAG_OPROJ_RING) task_oproj_ring(p, t, smem); else task_oproj(p, t, smem); break;
-        case TASK_ROUTER: task_router(p, t, smem); break;
+        case TASK_ROUTER: if (router_ring) task_router_ring(p, t, smem); else task_router(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
 #if NC_LEAN_FUSED
         case TASK_MOE_UP:  // arg3 != 0: the block's down share follows in the same task (moe_fused)
