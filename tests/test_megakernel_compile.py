@@ -20,7 +20,7 @@ def _nvcc_or_skip() -> str:
         pytest.skip(str(err))
 
 
-@pytest.mark.parametrize("build", ["default", "lean-fused", "norm-local"])
+@pytest.mark.parametrize("build", ["default", "lean-fused", "norm-local", "topk-rows", "router-registers"])
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
 def test_compiles_for_sm90a_without_spills(preset: str, build: str, tmp_path) -> None:
     """Every build a variant runs on (Variant.build_defines)."""

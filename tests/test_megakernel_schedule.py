@@ -347,7 +347,7 @@ def test_norm_local_orders_every_x_and_h_access(preset: str, batch: int) -> None
     of layer l - 1 ends before a writer of layer l's h starts; MoE up reads h after a whole writer finished."""
     config = preset_config(preset, 1003 if preset == "tiny" else None)
     variant = VARIANTS["norm-local"]
-    assert variant.build_defines() == {"NC_NORM_LOCAL": 1}
+    assert variant.build_defines() == {"NC_NORM_LOCAL": 1, "NC_ROUTER_RING": 0}
     T = TaskType
     for blocks, context in ((132, 8192), (7, 100)):
         schedule = build_schedule(config, batch, blocks, attention_splits(config, batch, blocks, context),

@@ -1054,22 +1054,21 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
 // ====  10. Task: TOPK  =========================================================================
 //   Picks each row's top-k router logits (ties: lower expert id), weights them (sigmoid, optionally
 //   renormalised, or softmax over the k), then the block numbers the distinct experts in ascending id
-//   order ("slots") and writes moe_slots and slot_weight [slot][row]. NC_TOPK_RANK: a thread per (row,
-//   expert) counts the logits that beat its own (its rank; rank < k: chosen, at place rank), all at once;
-//   0: a warp per row takes k warp-wide maxima in turn (~1 us at B = 1 on the step's critical path: router ->
-//   top-k -> every MoE up waits for it).
+//   order ("slots") and writes moe_slots and slot_weight [slot][row]. Up to 2 pairs (row, expert) a thread
+//   (B <= 4 at E = 128), NC_TOPK_RANK: a thread per pair counts the keys that beat its own (its rank; rank < k:
+//   chosen, at place rank), all at once (run 90: TOPK 4.4 -> 2.9 us at B = 1, on the step's critical chain
+//   router -> top-k -> every MoE up); beyond (or NC_TOPK_RANK=0), a warp per row takes k warp-wide maxima in
+//   turn (ranks are B E^2 comparisons: +1 to +1.7 us at B = 8, runs 90-91).
 #ifndef NC_TOPK_RANK
-#define NC_TOPK_RANK 0
+#define NC_TOPK_RANK 1
 #endif
 struct TopkSmem {
   int expert[kMaxBatch][kTopK];
   float weight[kMaxBatch][kTopK];
   int used[kExperts];         // 1 where any row chose the expert
   int warp_count[kWarps];     // used experts among each warp's 32
-#if NC_TOPK_RANK
-  float logit[kMaxBatch][kExperts];     // NaN read as -inf
-  unsigned key[kMaxBatch][kExperts];    // topk_key: larger key, earlier place
-#endif
+  float logit[kMaxBatch][kExperts];     // topk_ranks: NaN read as -inf
+  unsigned key[kMaxBatch][kExperts];    // topk_ranks: topk_key, larger key, earlier place
 };
 static_assert(kExperts <= kThreads, "top-k: one thread per expert numbers the slots");
 
@@ -1118,7 +1117,6 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
   }
 }
 
-#if NC_TOPK_RANK
 // A logit's key: the bf16 logit's bits made monotonic in the upper half (the router's logits are rounded to
 // bf16, so the lower half of the float is free), 0xFFFF - expert in the lower half: keys are distinct, and the
 // larger key is the larger logit, or the equal one with the lower id (topk_row's order).
@@ -1177,7 +1175,6 @@ __device__ void topk_ranks(const Params& p, int layer, TopkSmem& s) {
   }
 #endif
 }
-#endif
 
 // The distinct experts get slots in ascending id order: one thread per expert, a ballot per warp and the
 // warps' counts before it give the slot (no serial pass over the experts: run 21's loops took ~6 us at B=1).
@@ -1185,14 +1182,14 @@ __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
   TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = threadIdx.x;
   if (e < kExperts) s.used[e] = 0;
-#if NC_TOPK_RANK
-  topk_ranks(p, t.layer, s);
-#else
-  __syncthreads();
-  if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
-  __syncthreads();
-  if (e < p.batch_size * kTopK) s.used[s.expert[e / kTopK][e % kTopK]] = 1;
-#endif
+  if (NC_TOPK_RANK && p.batch_size * kExperts <= 2 * kThreads) {
+    topk_ranks(p, t.layer, s);
+  } else {
+    __syncthreads();
+    if (warp < p.batch_size) topk_row(p, t.layer, warp, s);
+    __syncthreads();
+    if (e < p.batch_size * kTopK) s.used[s.expert[e / kTopK][e % kTopK]] = 1;
+  }
   __syncthreads();
   const bool used = e < kExperts && s.used[e];
   const unsigned ballot = __ballot_sync(0xffffffffu, used);
@@ -1585,18 +1582,18 @@ __device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* s
   __syncthreads();
 }
 
-// NC_ROUTER_RING (the router-ring variant's build): a ROUTER task of one tile copies the tile's whole weight (16
-// rows x H, 64 KB at H = 2048) into the ring's memory by cp.async before its dependency wait (router_ring_prologue,
-// from the dispatcher, as o_proj's first steps), so that once h is ready only h's pieces make a round trip. The
-// router sits on the step's critical chain (NORM -> ROUTER -> TOPK -> every MoE up): run 89's ROUTER took 5.8 us
-// for its 64 KB, two round trips of mma_tiles' loads and the signal.
-#ifndef NC_ROUTER_RING
-#define NC_ROUTER_RING 0
+// NC_ROUTER_RING (0: the router-registers variant's build): a ROUTER task of one tile copies the tile's whole
+// weight (16 rows x H, 64 KB at H = 2048) into the ring's memory by cp.async before its dependency wait
+// (router_ring_prologue, from the dispatcher, as o_proj's first steps), so that once h is ready only h's pieces
+// make a round trip. The router sits on the step's critical chain (NORM -> ROUTER -> TOPK -> every MoE up): run
+// 89's ROUTER took 5.8 us for its 64 KB, two round trips of mma_tiles' loads and the signal.
+#ifndef NC_ROUTER_RING  // 1 since run 91 (ROUTER 5.9 -> 3.0 us, B = 1 -0.5% on top of TOPK's ranks)
+#define NC_ROUTER_RING 1
 #endif
 constexpr int kRouterSteps = (kHidden / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (8 at H = 2048)
 static_assert(!NC_ROUTER_RING || (size_t)kRouterSteps * 2 * kThreads * 16 <= (size_t)kMoeStages * 4 * kThreads * 16,
               "NC_ROUTER_RING: a router tile in the ring's memory");
-static_assert(!(NC_ROUTER_RING && NC_NORM_LOCAL), "NC_ROUTER_RING: not with NC_NORM_LOCAL's ROUTER tasks");
+static_assert(!(NC_ROUTER_RING && NC_NORM_LOCAL), "NC_ROUTER_RING: not with NC_NORM_LOCAL's ROUTER tasks (0 there)");
 
 // Step j of this lane: rows g and g + 8 (clamped to the tile's valid rows, as mma_tiles), k-chunk warp + 8 j.
 __device__ void router_ring_prologue(const Params& p, const Task& t, unsigned char* smem) {

@@ -37,8 +37,8 @@ class Variant:
     up_claims: bool = True  # MoE up tiles claimed from a per-layer counter, not static round-robin shares
     lean_fused: bool = False  # the NC_LEAN_FUSED build: lean dispatch; a block's MoE up and down shares in one task
     norm_local: bool = False  # the NC_NORM_LOCAL build: QKV and ROUTER normalise x, no NORM task after layer 0
-    topk_rank: bool = False  # the NC_TOPK_RANK build: TOPK by ranks, a thread per (row, expert)
-    router_ring: bool = False  # the NC_ROUTER_RING build: a router tile's weight in shared memory before the wait
+    topk_rank: bool = True  # NC_TOPK_RANK: TOPK by ranks, a thread per (row, expert), up to B = 4 (run 91)
+    router_ring: bool = True  # NC_ROUTER_RING: a router tile's weight in shared memory before the wait (run 91)
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
     attention_blocks: int = 0  # a sparse layer's attention on the last that many blocks, which take no MoE up tile
     max_splits: int = 32  # KV splits per (row, head) at most (tasks.attention_splits; 32 is the kernel's MAX_SPLITS)
@@ -50,10 +50,13 @@ class Variant:
                     attention_blocks=self.attention_blocks, norm_local=self.norm_local)
 
     def build_defines(self) -> dict[str, int]:
-        """The -D defines of the kernel build this variant runs on (empty: the default's build)."""
-        chosen = {"NC_LEAN_FUSED": self.lean_fused, "NC_NORM_LOCAL": self.norm_local, "NC_TOPK_RANK": self.topk_rank,
-                  "NC_ROUTER_RING": self.router_ring}
-        return {name: 1 for name, on in chosen.items() if on}
+        """The -D defines of the kernel build this variant runs on: its build fields that differ from the default's
+        (empty: the default's build)."""
+        fields = {"NC_LEAN_FUSED": "lean_fused", "NC_NORM_LOCAL": "norm_local", "NC_TOPK_RANK": "topk_rank",
+                  "NC_ROUTER_RING": "router_ring"}
+        default = Variant()
+        return {name: int(getattr(self, field)) for name, field in fields.items()
+                if getattr(self, field) != getattr(default, field)}
 
 
 VARIANTS = {  # "default" is the tested path; the others are timed against it by `bench decode --variants`
@@ -63,9 +66,9 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "no-combine-apart": Variant(combine_apart=False),
     "no-claims": Variant(up_claims=False),
     "lean-fused": Variant(lean_fused=True),  # its own build (build_defines); day 3 session 2
-    "norm-local": Variant(norm_local=True),  # its own build; day 3 session 5; runs 87-89: +1 to +7% at B=1
-    "topk-rank": Variant(topk_rank=True),  # its own build; day 4 session 1
-    "router-ring": Variant(topk_rank=True, router_ring=True),  # its own build (with topk-rank's); day 4 session 1
+    "norm-local": Variant(norm_local=True, router_ring=False),  # its own build; runs 87-89: +1 to +7% at B=1
+    "topk-rows": Variant(topk_rank=False),  # its own build: the top-k by warp-wide maxima at every batch (until run 91)
+    "router-registers": Variant(router_ring=False),  # its own build: the router's product from registers (until 91)
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
     **{f"attention-{n}": Variant(attention_blocks=n) for n in (32, 48, 64, 96)},  # day 3 session 3: +3 to +28%
     **{f"splits-{n}": Variant(max_splits=n) for n in (2, 4, 8, 16)},  # caps; run 59 made half the SMs the default

@@ -188,11 +188,12 @@ def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
     assert rel_err(x_rows(kernel, 2, added=True) - x, ref) < REL_TOL
 
 
-def test_router_topk_and_routed_experts(geometry: str) -> None:
+@pytest.mark.parametrize("batch", [8, 3])  # TOPK: a warp a row at 8, ranks at 3 (up to 2 pairs a thread)
+def test_router_topk_and_routed_experts(geometry: str, batch: int) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
     and the routed experts' output match the reference computed with the kernel's choice (flags as
-    $NC_VARIANT sets them)."""
+    $NC_VARIANT sets them); rows past the batch keep their residual."""
     from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
 
     variant = VARIANTS[variant_from_env()]
@@ -214,41 +215,68 @@ def test_router_topk_and_routed_experts(geometry: str) -> None:
     kernel.expert_counts.zero_()
     kernel.router_logits.zero_()
     kernel.slot_weight.fill_(float("nan"))  # every (slot, row) the step uses must be written
-    run(kernel, waves, num_counters=4 + config.num_experts)
-    check_routed_experts(geometry, layer, h, x)
+    run(kernel, waves, batch=batch, num_counters=4 + config.num_experts)
+    check_routed_experts(geometry, layer, h, x, batch)
 
 
-def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Tensor) -> None:
-    """After a layer's router, TOPK and MoE tasks on h [8, H] (residual x before): the logits, the chosen experts
-    (the top-k of the kernel's own logits), the expert count, the slots and their weights, and the residual's change
-    against the reference experts with the kernel's choice."""
+def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Tensor, batch: int = 8) -> None:
+    """After a layer's router, TOPK and MoE tasks on h [8, H] (residual x before) for `batch` rows: the logits,
+    the chosen experts (the top-k of the kernel's own logits), the expert count, the slots and their weights, and
+    the residual's change against the reference experts with the kernel's choice (none past the batch)."""
     from northcode.bench.decode_oracle import route_weights
     from northcode.model.model import run_experts
 
     config, weights, model, cache, kernel = env(geometry)
     k = config.num_experts_per_tok
     lw = model.layers[layer]
+    h = h[:batch]
     logits_ref = F.linear(h, lw.router)  # bf16, as model.route
-    assert rel_err(kernel.router_logits, logits_ref.float()) < REL_TOL
-    own = kernel.router_logits  # [8, E] the kernel's bf16-rounded logits
-    chosen = kernel.routed[layer].long()  # [8, k]
-    for b in range(8):
+    assert rel_err(kernel.router_logits[:batch], logits_ref.float()) < REL_TOL
+    own = kernel.router_logits[:batch]  # [batch, E] the kernel's bf16-rounded logits
+    chosen = kernel.routed[layer, :batch].long()  # [batch, k]
+    for b in range(batch):
         picked = own[b, chosen[b]]
         rest = own[b].clone()
         rest[chosen[b]] = -float("inf")
         assert len(set(chosen[b].tolist())) == k and float(picked.min()) >= float(rest.max()), \
             f"row {b}: experts {chosen[b].tolist()} are not the top-{k} of the kernel's logits"
     assert int(kernel.expert_counts[layer]) == len(set(chosen.flatten().tolist()))
-    weights_ref = route_weights(logits_ref, chosen, config)  # [8, k] for the kernel's choice
+    weights_ref = route_weights(logits_ref, chosen, config)  # [batch, k] for the kernel's choice
     num_slots = int(kernel.moe_slots[0])
     slots = kernel.moe_slots[1:1 + num_slots].tolist()
     assert slots == sorted(set(chosen.flatten().tolist()))
-    for b in range(8):
+    for b in range(batch):
         for j in range(k):
             slot = slots.index(int(chosen[b, j]))
             assert abs(float(kernel.slot_weight[slot, b]) - float(weights_ref[b, j])) < 1e-2
     ref = run_experts(h, lw.experts_gate_up, lw.experts_down, chosen, weights_ref)
-    assert rel_err(x_rows(kernel, layer, added=True) - x, ref) < 2 * REL_TOL
+    after = x_rows(kernel, layer, added=True)
+    assert rel_err(after[:batch] - x[:batch], ref) < 2 * REL_TOL
+    assert torch.equal(after[batch:], x[batch:]), "rows past the batch changed"
+
+
+@pytest.mark.parametrize("batch", [4, 8])  # ranks (up to 2 pairs a thread), a warp a row
+def test_topk_order_with_ties(geometry: str, batch: int) -> None:
+    """TOPK alone on logits full of ties (a few bf16 values, +0 and -0, -inf): each row's experts in the order
+    of a stable descending sort (larger logit first, the lower id among equals), as both of the kernel's
+    top-k paths must give them."""
+    from northcode.megakernel.kernel import TaskType, make_task
+
+    config, weights, model, cache, kernel = env(geometry)
+    layer, k = 2, config.num_experts_per_tok
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    values = torch.tensor([-float("inf"), -1.5, -0.0, 0.0, 0.25], device="cuda")
+    pick = torch.randint(0, len(values), (8, config.num_experts), device="cuda", generator=generator)
+    logits = values[pick]
+    logits[0::2] = torch.where(logits[0::2] > 0, 0.0, logits[0::2])  # even rows: the k-th place among +0 and -0
+    for b in range(1, 8, 2):  # odd rows: three larger logits, then the k-th place among the 0.25s
+        logits[b, torch.randperm(config.num_experts, device="cuda", generator=generator)[:3]] = 2.0
+    logits = logits.to(torch.bfloat16).float()
+    kernel.router_logits.copy_(logits)
+    kernel.routed.zero_()
+    run(kernel, [[make_task(TaskType.TOPK, layer, (), (), 0)]], batch=batch, num_counters=4 + config.num_experts)
+    expected = torch.sort(logits[:batch], dim=1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(kernel.routed[layer, :batch].long(), expected)
 
 
 def test_dense_mlp(geometry: str) -> None:
