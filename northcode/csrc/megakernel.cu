@@ -1541,29 +1541,18 @@ __device__ __forceinline__ void oproj_issue(const bf16* w, uint4* ring, int step
   asm volatile("cp.async.commit_group;");
 }
 
-// NC_OPROJ_EARLY (the oproj-early variant's build): o_proj's ring has its own memory after the MoE ring's, so that a
-// MOE_DOWN task whose block goes on with an o_proj tile (the schedule marks the pair: MOE_DOWN arg5 = 1, arg4 = the
-// tile; OPROJ arg3 = 1) issues that tile's prologue before its own wait. Run 92's layers end with ~2.5 us from a
-// block's MoE down to its o_proj's first product (the gap, the prologue's issue, its round trip), on every block,
-// at the point that gates the next layer.
-#ifndef NC_OPROJ_EARLY
-#define NC_OPROJ_EARLY 0
-#endif
-constexpr size_t kOprojRingOffset = NC_OPROJ_EARLY ? kMoeSmemBytes : kMoeRingOffset;
-constexpr size_t kOprojSmemBytes = kOprojRingOffset + (size_t)kOprojStages * 2 * kThreads * 16;
-
-// The tile's first kOprojStages steps, issued by the dispatcher before the task's dependency wait (weights are
-// immutable; the previous task left the ring's memory with no copy in flight): at the layer's end the wait is
+// The first tile's first kOprojStages steps, issued by the dispatcher before the task's dependency wait (weights
+// are immutable; the previous task left the ring's memory with no copy in flight): at the layer's end the wait is
 // already met, and its round trip (~1.5 us, run 28) then overlaps the first loads.
-__device__ void oproj_ring_prologue(const Params& p, int layer, int tile, unsigned char* smem) {
-  uint4* ring = reinterpret_cast<uint4*>(smem + kOprojRingOffset);
-  const bf16* w = layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize;
+__device__ void oproj_ring_prologue(const Params& p, const Task& t, unsigned char* smem) {
+  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
+  const bf16* w = layer_ptr(p, t.layer, LP_O) + (size_t)t.arg[0] * 16 * kQSize;
   for (int j = 0; j < kOprojStages; ++j) oproj_issue(w, ring, j);
 }
 
 __device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  uint4* ring = reinterpret_cast<uint4*>(smem + kOprojRingOffset);
+  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const bf16* act = p.attn_out + (size_t)g * kQSize + warp * 32 + 8 * tq;
   auto piece = [&](int j) {
@@ -1920,15 +1909,9 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
     const bool oproj_ring = t.type == TASK_OPROJ && (p.flags & NC_FLAG_OPROJ_RING);
     const bool router_ring = NC_ROUTER_RING && t.type == TASK_ROUTER && t.arg[1] == 1;
-    if (oproj_ring) {  // o_proj's ring: its first loads before the wait (NC_OPROJ_EARLY, arg3: the MoE down did)
-      if (!(NC_OPROJ_EARLY && t.arg[3])) oproj_ring_prologue(p, t.layer, t.arg[0], smem);
-    } else if (router_ring) {
-      router_ring_prologue(p, t, smem);  // the router tile's weight, whole, before the wait
-    } else if (p.flags & NC_FLAG_PREFETCH_CURRENT) {
-      prefetch_task_weights(p, t);
-    }
-    if (NC_OPROJ_EARLY && t.type == TASK_MOE_DOWN && t.arg[5] && (p.flags & NC_FLAG_OPROJ_RING))
-      oproj_ring_prologue(p, t.layer, t.arg[4], smem);  // the block's next task's o_proj tile, into its own memory
+    if (oproj_ring) oproj_ring_prologue(p, t, smem);  // o_proj's ring: its first loads before the wait
+    else if (router_ring) router_ring_prologue(p, t, smem);  // the router tile's weight, whole, before the wait
+    else if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
     if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
       prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
 #if NC_LEAN_FUSED
@@ -2000,7 +1983,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
 
 // Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
-constexpr size_t kBaseSmemBytes = size_max(size_max(size_max(kMoeSmemBytes, kOprojSmemBytes), sizeof(TopkSmem)),
+constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
                                            size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
 
 // ====  16. C ABI  ==============================================================================

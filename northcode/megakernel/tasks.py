@@ -340,7 +340,7 @@ def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> i
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
                    up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
-                   attention_blocks: int = 0, norm_local: bool = False, oproj_early: bool = False) -> Schedule:
+                   attention_blocks: int = 0, norm_local: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
@@ -350,8 +350,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
     (one_round_q_tiles). attention_blocks (0: off): a sparse layer's attention splits only on the last that many
     blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. norm_local: the
-    NC_NORM_LOCAL build's lists (_layer_waves says what changes). oproj_early: the NC_OPROJ_EARLY build's marks
-    (mark_early_oproj). Waves are
+    NC_NORM_LOCAL build's lists (_layer_waves says what changes). Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and place_waves
     per task took 0.1-0.2 s, a stall for every new batch size).
     """
@@ -375,24 +374,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
                                                              (0, m.arange(num_lm))), ((final_done, batch),), lm_done))
     waves.append(m.wave("plain", TaskType.SAMPLE, 0, batch, (rows, num_lm), ((lm_done, num_lm),)))
     tasks, task_start = _place_wave_specs(waves, num_blocks)
-    if oproj_early:
-        mark_early_oproj(tasks, task_start)
     return Schedule(tasks, task_start, max(counters.count, 1), num_lm)
-
-
-def mark_early_oproj(tasks: torch.Tensor, task_start: torch.Tensor) -> int:
-    """For the kernel's NC_OPROJ_EARLY build, in place: where a block's MOE_DOWN is followed on the same block by
-    an OPROJ task, the MOE_DOWN issues that task's first o_proj tile's prologue (arg4 = the tile, arg5 = 1) and the
-    OPROJ skips it (arg3 = 1). tasks: int32 [N, 16]; task_start: [blocks + 1]. Returns the pairs marked."""
-    kinds = tasks[:, 0]
-    follows = torch.zeros(len(kinds), dtype=torch.bool)
-    follows[:-1] = (kinds[:-1] == TaskType.MOE_DOWN) & (kinds[1:] == TaskType.OPROJ)
-    follows[task_start[1:] - 1] = False  # a block's last task: the next row is another block's
-    down = follows.nonzero().flatten()
-    tasks[down, 2 + 4] = tasks[down + 1, 2 + 0]  # arg4 <- the o_proj task's first tile (its arg0)
-    tasks[down, 2 + 5] = 1
-    tasks[down + 1, 2 + 3] = 1
-    return len(down)
 
 
 def _wave_tables(waves: list, num_blocks: int) -> tuple[list[int], list[int], list[int], list[int]]:
