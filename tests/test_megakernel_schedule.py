@@ -20,12 +20,10 @@ from northcode.megakernel.tasks import _Counters, one_round_q_tiles
 from northcode.model.synthetic import preset_config
 
 
-def simulate(schedule, duration_ns=lambda task: 1000,
-             topk_in_router: bool = False) -> tuple[dict[int, int], list[list[int]]]:
+def simulate(schedule, duration_ns=lambda task: 1000) -> tuple[dict[int, int], list[list[int]]]:
     """Run the lists like the device would, drains as one step: a task starts when its block is free, its
     dependencies are met when the target-th signal of each waited counter is done, and it takes
-    duration_ns(task). topk_in_router: ROUTER tasks count on arg3 and the arg2-th signals arg4 (the top-k).
-    Returns the final counter values and [started, met, done] ns per task."""
+    duration_ns(task). Returns the final counter values and [started, met, done] ns per task."""
     tasks, starts = schedule.tasks.tolist(), schedule.task_start.tolist()
     cursor, clock = list(starts[:-1]), [0] * (len(starts) - 1)
     done_at: dict[int, list[int]] = {}  # counter -> done times of its signals
@@ -44,11 +42,6 @@ def simulate(schedule, duration_ns=lambda task: 1000,
                 times[i] = [clock[block], met, met + duration_ns(t)]
                 if t[12] >= 0:
                     done_at.setdefault(t[12], []).append(times[i][2])
-                if topk_in_router and t[0] == TaskType.ROUTER:  # count; the last one does the top-k
-                    counted = done_at.setdefault(t[5], [])
-                    counted.append(times[i][2])
-                    if len(counted) == t[4]:
-                        done_at.setdefault(t[6], []).append(times[i][2])
                 clock[block], cursor[block] = times[i][2], i + 1
                 progressed = True
     stuck = [b for b in range(len(cursor)) if cursor[b] < starts[b + 1]]
@@ -68,15 +61,14 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
         splits = attention_splits(config, batch, blocks, context)
         schedule = build_schedule(config, batch, blocks, splits, **v.schedule_options())
         assert schedule.tasks.shape[1] == TASK_WORDS
-        counters, _ = simulate(schedule, topk_in_router=v.topk_in_router)
+        counters, _ = simulate(schedule)
         tasks = schedule.tasks.tolist()
         for t in tasks:
             for idx, target in ((t[8], t[10]), (t[9], t[11])):
                 if idx >= 0:
                     assert counters.get(idx, 0) == target, f"{TaskType(t[0]).name} waits for {target}, gets {counters.get(idx, 0)}"
         kinds = {TaskType(t[0]) for t in tasks}
-        absent = {TaskType.STOP} | ({TaskType.MOE_DOWN} if v.lean_fused else set()) | \
-            ({TaskType.TOPK} if v.topk_in_router else set())
+        absent = {TaskType.STOP} | ({TaskType.MOE_DOWN} if v.lean_fused else set())
         assert kinds == set(TaskType) - absent
         assert max(max(t[8], t[9], t[12]) for t in tasks) < schedule.num_counters
 

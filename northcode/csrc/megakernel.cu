@@ -1038,8 +1038,6 @@ __device__ __forceinline__ void router_epilogue(const Params& p, int layer, int 
   }
 }
 
-__device__ void router_then_topk(const Params& p, const Task& t, unsigned char* smem);  // after TOPK's section
-
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
 #if NC_NORM_LOCAL
@@ -1051,7 +1049,6 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
     mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     router_epilogue(p, t.layer, tile, s.out);
   }
-  if (t.arg[2] > 0 && !NC_NORM_LOCAL) router_then_topk(p, t, smem);  // arg2: the top-k follows in a router task
 }
 
 // ====  10. Task: TOPK  =========================================================================
@@ -1218,24 +1215,6 @@ __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
     p.moe_slots[0] = total;
     p.expert_counts[t.layer] = total;
   }
-}
-
-// A ROUTER task of a layer without a TOPK task (the schedule's topk_in_router: arg2 the layer's router tasks, arg3
-// the counter they count on, arg4 the top-k's): after its logits, the last of them to finish goes on with the
-// top-k (the threadfence-reduction pattern: each publishes its logits, then counts; the last one sees them all).
-// Saves the top-k task's dispatch and one dependency hop on the chain router -> top-k -> every MoE up.
-__device__ void router_then_topk(const Params& p, const Task& t, unsigned char* smem) {
-  __shared__ int last;
-  __syncthreads();  // every thread's logits are stored
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(p.counters + t.arg[3], 1u) == (unsigned)t.arg[2] - 1u;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other router tasks' logits, published before their counts
-  task_topk(p, t, smem);
-  signal_counter(p, t.arg[4]);
 }
 
 __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f + expf(-g))); }
@@ -1654,7 +1633,6 @@ __device__ void task_router_ring(const Params& p, const Task& t, unsigned char* 
   reduce_warps<1>(acc, s.red, s.out);
   router_epilogue(p, t.layer, t.arg[0], s.out);
   __syncthreads();  // the ring's memory is free for the next task
-  if (t.arg[2] > 0) router_then_topk(p, t, smem);  // arg2: the top-k follows in a router task
 }
 
 // ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================

@@ -234,12 +234,9 @@ def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Count
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
                  order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False,
-                 moe_fused: bool = False, attention_blocks: int = 0, norm_local: bool = False,
-                 topk_in_router: bool = False) -> tuple[list, tuple]:
+                 moe_fused: bool = False, attention_blocks: int = 0, norm_local: bool = False) -> tuple[list, tuple]:
     """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on.
     attention_blocks: a sparse layer's ATTN tasks on the last that many blocks, which take no MoE up tile.
-    topk_in_router: no TOPK task; the layer's last ROUTER task to finish goes on with the top-k (arg2 the router
-    tasks, arg3 the counter they count on, arg4 the top-k's).
     norm_local (the NC_NORM_LOCAL build): sparse layers after the first have no NORM task (QKV and ROUTER
     normalise x, waiting on the previous layer as NORM did); every layer's ROUTER (DENSE_UP) tasks zero the x it
     adds into, and o_proj waits for them."""
@@ -276,27 +273,22 @@ def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters,
     # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest; norm_local:
     # arg2 normalise x here, arg3 the ROUTER tasks, each zeroing its slice of the x the layer adds into
     router_args = ((0, m.arange(router_tiles)), 1) + ((int(local), router_tiles) if norm_local else ())
-    if topk_in_router:
-        assert not norm_local, "topk_in_router: the ROUTER's arg2-4 are norm-local's there"
-        router_args += (router_tiles, router_done, topk_done)
-    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args, norm_waits,
-                    -1 if topk_in_router else router_done)
+    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args, norm_waits, router_done)
     moe_waits = ((topk_done, 1),)  # the MoE tasks read the top-k's slots
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
-    topks = [] if topk_in_router else [topk]
     # arg0: the last blocks that take no up tile (combine_apart, attention_blocks); arg1: the first "slot done"
     # counter; arg2: the counter up tiles are claimed from (up_claims), or -1: static round-robin shares; arg3: 1
     # when the block's down share follows in the same task (moe_fused, for the kernel's NC_LEAN_FUSED build: one
     # task boundary less; COMBINE then goes before it)
     if moe_fused:
         up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim, 1), moe_waits, mlp_done)
-        lists = waves + [router, *topks, qkv, attn, combine, up, oproj]
+        lists = waves + [router, topk, qkv, attn, combine, up, oproj]
         return lists, ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
     up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim), moe_waits)
     down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), moe_waits, mlp_done)
     tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
             "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
-    return waves + [router, *topks, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    return waves + [router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
 
 
 def combine_blocks_apart(config: ModelConfig, batch: int, num_blocks: int, wanted: bool) -> int:
@@ -348,7 +340,7 @@ def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> i
 def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
                    order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
                    up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
-                   attention_blocks: int = 0, norm_local: bool = False, topk_in_router: bool = False) -> Schedule:
+                   attention_blocks: int = 0, norm_local: bool = False) -> Schedule:
     """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
 
     order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
@@ -358,8 +350,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
     (one_round_q_tiles). attention_blocks (0: off): a sparse layer's attention splits only on the last that many
     blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. norm_local: the
-    NC_NORM_LOCAL build's lists (_layer_waves says what changes). topk_in_router: no TOPK tasks, the last router
-    task of a layer does the top-k (_layer_waves). Waves are
+    NC_NORM_LOCAL build's lists (_layer_waves says what changes). Waves are
     _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and place_waves
     per task took 0.1-0.2 s, a stall for every new batch size).
     """
@@ -370,8 +361,7 @@ def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tup
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
         layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             combine_apart, up_claims, moe_fused, attention_blocks, norm_local,
-                                             topk_in_router)
+                                             combine_apart, up_claims, moe_fused, attention_blocks, norm_local)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))

@@ -39,7 +39,6 @@ class Variant:
     norm_local: bool = False  # the NC_NORM_LOCAL build: QKV and ROUTER normalise x, no NORM task after layer 0
     topk_rank: bool = True  # NC_TOPK_RANK: TOPK by ranks, a thread per (row, expert), up to B = 4 (run 91)
     router_ring: bool = True  # NC_ROUTER_RING: a router tile's weight in shared memory before the wait (run 91)
-    topk_in_router: bool = False  # no TOPK task: a layer's last router task to finish does the top-k
     qkv_one_round: bool = False  # query tasks of 3 tiles where needed: one QKV task per block (tasks.one_round_q_tiles)
     attention_blocks: int = 0  # a sparse layer's attention on the last that many blocks, which take no MoE up tile
     max_splits: int = 32  # KV splits per (row, head) at most (tasks.attention_splits; 32 is the kernel's MAX_SPLITS)
@@ -48,8 +47,7 @@ class Variant:
         """build_schedule's keyword arguments for this variant (the task lists' part of it)."""
         return dict(order=self.wave_order, qkv_tiles=self.qkv_tiles, combine_apart=self.combine_apart,
                     up_claims=self.up_claims, moe_fused=self.lean_fused, qkv_one_round=self.qkv_one_round,
-                    attention_blocks=self.attention_blocks, norm_local=self.norm_local,
-                    topk_in_router=self.topk_in_router)
+                    attention_blocks=self.attention_blocks, norm_local=self.norm_local)
 
     def build_defines(self) -> dict[str, int]:
         """The -D defines of the kernel build this variant runs on: its build fields that differ from the default's
@@ -71,7 +69,6 @@ VARIANTS = {  # "default" is the tested path; the others are timed against it by
     "norm-local": Variant(norm_local=True, router_ring=False),  # its own build; runs 87-89: +1 to +7% at B=1
     "topk-rows": Variant(topk_rank=False),  # its own build: the top-k by warp-wide maxima at every batch (until run 91)
     "router-registers": Variant(router_ring=False),  # its own build: the router's product from registers (until 91)
-    "topk-in-router": Variant(topk_in_router=True),  # day 4 session 1
     "qkv-one-round": Variant(qkv_one_round=True),  # day 3 session 2: +0.4% at B=1
     **{f"attention-{n}": Variant(attention_blocks=n) for n in (32, 48, 64, 96)},  # day 3 session 3: +3 to +28%
     **{f"splits-{n}": Variant(max_splits=n) for n in (2, 4, 8, 16)},  # caps; run 59 made half the SMs the default

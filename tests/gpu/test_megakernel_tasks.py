@@ -191,19 +191,15 @@ def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
     assert rel_err(x_rows(kernel, 2, added=True) - x, ref) < REL_TOL
 
 
-@pytest.mark.parametrize("topk", ["task", "in-router"])
 @pytest.mark.parametrize("batch", [8, 3])  # TOPK: a warp a row at 8, ranks at 3 (up to 2 pairs a thread)
-def test_router_topk_and_routed_experts(geometry: str, batch: int, topk: str) -> None:
+def test_router_topk_and_routed_experts(geometry: str, batch: int) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
     and the routed experts' output match the reference computed with the kernel's choice (flags as
-    $NC_VARIANT sets them); rows past the batch keep their residual. topk: a TOPK task, or the last router
-    task to finish doing the top-k (the schedule's topk_in_router)."""
+    $NC_VARIANT sets them); rows past the batch keep their residual."""
     from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
 
     variant = VARIANTS[variant_from_env()]
-    if topk == "in-router" and variant.norm_local:
-        pytest.skip("the norm-local build's ROUTER arguments 2-3 are its own")
     config, weights, model, cache, kernel = env(geometry)
     layer = 3
     h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
@@ -213,13 +209,10 @@ def test_router_topk_and_routed_experts(geometry: str, batch: int, topk: str) ->
     # counters: 0 router done, 1 topk done, 2 up tiles claimed (the variant's up_claims, else static shares),
     # 3 unused, 4.. slot done
     claims = 2 if variant.up_claims else -1
-    if topk == "task":
-        routers = [make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)]
-        waves = [routers, [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)]]
-    else:  # arg2 the router tasks, arg3 the counter they count on, arg4 the top-k's; no signal of their own
-        waves = [[make_task(TaskType.ROUTER, layer, (t, 1, router_tiles, 0, 1), (), -1) for t in range(router_tiles)]]
-    waves += [("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
-              ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
+    routers = [make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)]
+    waves = [routers, [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
+             ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
+             ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
     kernel.expert_counts.zero_()
