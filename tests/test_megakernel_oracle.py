@@ -88,3 +88,24 @@ def test_swap_margin() -> None:
     assert swap_margin({0, 1}, z, 2) == 0.0
     assert swap_margin({0, 2}, z, 2) == pytest.approx(0.5)  # took 1.5 in place of 2.0
     assert swap_margin({3, 4}, z, 2) == pytest.approx(3.0)  # missed 3.0, took 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_stepped_together_are_the_rows_stepped_alone(dtype: torch.dtype) -> None:
+    """Oracle.steps (the teacher-forced checks' batch) against `step` row by row: two sequences at different
+    positions (one past the sliding window, one before it), one following given experts, one its own."""
+    config, weights = tiny()
+    model, cache, position, keys, values = prefilled(torch.bfloat16)
+    oracle = Oracle(config, weights, dtype)
+    own = oracle.step(44, position, keys, values).own_experts
+    follow = torch.stack([own, torch.roll(own, 1, dims=1)])  # row 1 follows the same experts, in another order
+    together = oracle.steps([44, 9], [position, 20], [(keys, values), (keys, values)], follow)
+    alone = [oracle.step(44, position, keys, values, follow=follow[0]),
+             oracle.step(9, 20, keys, values, follow=follow[1])]
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    for got, ref in zip(together, alone):
+        assert torch.allclose(got.logits, ref.logits, **tol)
+        assert torch.allclose(got.residual, ref.residual, **tol)
+        assert torch.equal(got.own_experts, ref.own_experts) or dtype == torch.bfloat16
+        assert torch.allclose(got.keys.float(), ref.keys.float(), **tol)
+    assert not torch.allclose(together[0].logits, together[1].logits)  # the rows are not one row twice

@@ -87,11 +87,13 @@ def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | No
         if kernel.tokens[:batch].tolist() != got_logits.argmax(-1).tolist():
             failures.append(f"step {step}: greedy sampling is not the argmax of the kernel's logits")
         next_tokens = []
+        positions, follow = [n + step for n in lengths], routed.permute(1, 0, 2)  # follow: [batch, L, k]
+        exact_rows = exact.steps(tokens, positions, history, follow=follow)  # every row at once (Oracle.steps)
+        bf16_rows = bf16.steps(tokens, positions, history, follow=follow)
         for b in range(batch):
-            pos, where = lengths[b] + step, f"step {step} row {b}"
+            pos, where = positions[b], f"step {step} row {b}"
             keys, values = history[b]
-            ex = exact.step(tokens[b], pos, keys, values, follow=routed[:, b])
-            bt = bf16.step(tokens[b], pos, keys, values, follow=routed[:, b])
+            ex, bt = exact_rows[b], bf16_rows[b]
             record, clear, agree = check_logits(where, got_logits[b], ex, bt, failures)
             logit_rows.append(dict(step=step, row=b, **record))
             argmax_clear, argmax_agree = argmax_clear + clear, argmax_agree + agree

@@ -72,57 +72,69 @@ class Oracle:
             self._cast[name] = tensor.to(self.dtype)
         return self._cast[name]
 
-    @torch.inference_mode()
     def step(self, token: int, position: int, keys: list[torch.Tensor], values: list[torch.Tensor],
              follow: torch.Tensor | None = None) -> OracleStep:
         """One token at `position` of one sequence. keys[l], values[l]: [>= position, KVH, D] history
         (bf16 or the path's dtype; rows >= position are ignored). follow: int [L, k] experts to use at
         each sparse layer (None: the path's own top-k)."""
+        return self.steps([token], [position], [(keys, values)], None if follow is None else follow[None])[0]
+
+    @torch.inference_mode()
+    def steps(self, tokens: list[int], positions: list[int], histories: list[tuple[list, list]],
+              follow: torch.Tensor | None = None) -> list[OracleStep]:
+        """`step` for N rows at once, each its own sequence: the projections, router, experts and LM head take
+        the rows together, attention goes row by row (its own history and window). histories: per row (keys,
+        values) as `step` takes them; follow: int [N, L, k] or None. One row is `step` op for op. The teacher-
+        forced checks step every row of a batch each step (run 97: one row at a time, ~0.3 s a row-step at 49
+        layers, made B=8 x 256 steps a 10-minute device call)."""
         from northcode.model import model as m
 
         c, dt, dev = self.config, self.dtype, self.device
-        L, k = c.num_hidden_layers, c.num_experts_per_tok
-        positions = torch.tensor([position], device=dev)
-        cos, sin = m.rope_cos_sin(positions, self.inv_freq, dt)  # [1, D]
-        x = F.embedding(torch.tensor([[token]], device=dev), self.weights["model.embed_tokens.weight"]).to(dt)
-        residual = torch.zeros(L + 1, c.hidden_size, device=dev)
-        router = torch.zeros(L, c.num_experts, device=dev)
-        own = torch.full((L, k), -1, dtype=torch.long, device=dev)
-        new_k = torch.empty(L, c.num_key_value_heads, c.head_dim, dtype=dt, device=dev)
+        L, k, n = c.num_hidden_layers, c.num_experts_per_tok, len(tokens)
+        rows = torch.tensor(positions, device=dev)[:, None]  # [N, 1]: each row's one position
+        cos, sin = m.rope_cos_sin(rows, self.inv_freq, dt)  # [N, 1, D]
+        x = F.embedding(torch.tensor(tokens, device=dev)[:, None], self.weights["model.embed_tokens.weight"]).to(dt)
+        residual = torch.zeros(n, L + 1, c.hidden_size, device=dev)
+        router = torch.zeros(n, L, c.num_experts, device=dev)
+        own = torch.full((n, L, k), -1, dtype=torch.long, device=dev)
+        new_k = torch.empty(n, L, c.num_key_value_heads, c.head_dim, dtype=dt, device=dev)
         new_v = torch.empty_like(new_k)
         for i in range(L):
             p = f"model.layers.{i}."
-            residual[i] = x.reshape(-1).float()
-            h = m.norm(x, self.w(p + "input_layernorm.weight"), c)  # [1, 1, H]
+            residual[:, i] = x.reshape(n, -1).float()
+            h = m.norm(x, self.w(p + "input_layernorm.weight"), c)  # [N, 1, H]
             q = F.linear(h, self.w(p + "self_attn.q_proj.weight")).unflatten(-1, (-1, c.head_dim))
             kk = F.linear(h, self.w(p + "self_attn.k_proj.weight")).unflatten(-1, (-1, c.head_dim))
             vv = F.linear(h, self.w(p + "self_attn.v_proj.weight")).unflatten(-1, (-1, c.head_dim))
             if c.uses_rope(i):
                 q, kk = m.apply_rope(q, cos, sin), m.apply_rope(kk, cos, sin)
-            new_k[i], new_v[i] = kk[0, 0], vv[0, 0]
+            new_k[:, i], new_v[:, i] = kk[:, 0], vv[:, 0]
             window = c.window(i)
-            first = max(0, position - window + 1) if window else 0
-            all_k = torch.cat([keys[i][first:position].to(dt), kk[0]])[None]  # [1, S, KVH, D]
-            all_v = torch.cat([values[i][first:position].to(dt), vv[0]])[None]
-            k_positions = torch.arange(first, position + 1, device=dev)
-            attn = F.linear(m.attention(q, all_k, all_v, positions, k_positions, window),
-                            self.w(p + "self_attn.o_proj.weight"))
-            h2 = h.flatten(0, 1)  # [1, H]
+            outs = []
+            for b, (position, (keys, values)) in enumerate(zip(positions, histories)):
+                first = max(0, position - window + 1) if window else 0
+                all_k = torch.cat([keys[i][first:position].to(dt), kk[b]])[None]  # [1, S, KVH, D]
+                all_v = torch.cat([values[i][first:position].to(dt), vv[b]])[None]
+                k_positions = torch.arange(first, position + 1, device=dev)
+                outs.append(m.attention(q[b:b + 1], all_k, all_v, rows[b], k_positions, window))
+            attn = F.linear(torch.cat(outs), self.w(p + "self_attn.o_proj.weight"))  # [N, 1, H]
+            h2 = h.flatten(0, 1)  # [N, H]
             if c.is_dense(i):
                 mlp = m.swiglu(h2, self.w(p + "mlp.gate_proj.weight"), self.w(p + "mlp.up_proj.weight"),
                                self.w(p + "mlp.down_proj.weight"))
             else:
-                logits = F.linear(h2, self.w(p + "mlp.gate.weight"))  # [1, E] in dt, as model.route
-                router[i] = logits[0].float()
-                own[i] = torch.topk(logits, k, dim=-1).indices[0]
-                ids = own[i][None] if follow is None else follow[i].to(dev).long()[None]
+                logits = F.linear(h2, self.w(p + "mlp.gate.weight"))  # [N, E] in dt, as model.route
+                router[:, i] = logits.float()
+                own[:, i] = torch.topk(logits, k, dim=-1).indices
+                ids = own[:, i] if follow is None else follow[:, i].to(dev).long()
                 weights = route_weights(logits, ids, c)
                 mlp = m.run_experts(h2, _CastRows(self.weights[p + "mlp.experts.gate_up_proj"], dt),
                                     _CastRows(self.weights[p + "mlp.experts.down_proj"], dt), ids, weights)
             x = x + attn + mlp.view_as(h)  # the parallel block, as NorthModel.forward
-        residual[L] = x.reshape(-1).float()
+        residual[:, L] = x.reshape(n, -1).float()
         logits = m.lm_logits(x, self.w("model.norm.weight"), self.w("lm_head.weight"), c)
-        return OracleStep(logits.reshape(-1).float(), residual, router, own, new_k, new_v)
+        logits = logits.reshape(n, -1).float()
+        return [OracleStep(logits[b], residual[b], router[b], own[b], new_k[b], new_v[b]) for b in range(n)]
 
 
 def route_weights(logits: torch.Tensor, ids: torch.Tensor, config: ModelConfig) -> torch.Tensor:
