@@ -604,18 +604,20 @@ __device__ void norm_rows_local(const Params& p, int layer, bool trace, unsigned
     const float4 v = reinterpret_cast<const float4*>(xs + (size_t)b * kHidden)[threadIdx.x + j * kThreads];
     return make_float4(bf16_round(v.x), bf16_round(v.y), bf16_round(v.z), bf16_round(v.w));
   };
-  float mean[kMaxBatch], inv[kMaxBatch];
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {
-    mean[b] = 0.f;
+  auto sum_pieces = [&](int b, auto term) {  // this thread's share of row b: term(piece) summed over its pieces
+    float total = 0.f;
     if (b < batch)
 #pragma unroll
       for (int j = 0; j < kNormPieces; ++j)
-        if (threadIdx.x + j * kThreads < kHidden / 4) {
-          const float4 v = piece_of(b, j);
-          mean[b] += NC_RMS_NORM ? v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w : v.x + v.y + v.z + v.w;
-        }
-  }
+        if (threadIdx.x + j * kThreads < kHidden / 4) total += term(piece_of(b, j));
+    return total;
+  };
+  float mean[kMaxBatch], inv[kMaxBatch];
+#pragma unroll
+  for (int b = 0; b < kMaxBatch; ++b)
+    mean[b] = sum_pieces(b, [](float4 v) {
+      return NC_RMS_NORM ? v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w : v.x + v.y + v.z + v.w;
+    });
   block_sums_rows(mean, red);  // RMS: the sums of squares; else the sums
 #pragma unroll
   for (int b = 0; b < kMaxBatch; ++b) {
@@ -623,16 +625,10 @@ __device__ void norm_rows_local(const Params& p, int layer, bool trace, unsigned
       inv[b] = 1.0f / sqrtf(mean[b] / kHidden + p.norm_eps);
       mean[b] = 0.f;
     } else {
-      mean[b] /= kHidden;
-      inv[b] = 0.f;
-      if (b < batch)
-#pragma unroll
-        for (int j = 0; j < kNormPieces; ++j)
-          if (threadIdx.x + j * kThreads < kHidden / 4) {
-            const float4 v = piece_of(b, j);
-            const float a = v.x - mean[b], c = v.y - mean[b], d = v.z - mean[b], e = v.w - mean[b];
-            inv[b] += a * a + c * c + d * d + e * e;
-          }
+      const float m = mean[b] /= kHidden;
+      inv[b] = sum_pieces(b, [m](float4 v) {
+        return (v.x - m) * (v.x - m) + (v.y - m) * (v.y - m) + (v.z - m) * (v.z - m) + (v.w - m) * (v.w - m);
+      });
     }
   }
   if (!NC_RMS_NORM) {
@@ -1072,6 +1068,24 @@ struct TopkSmem {
 };
 static_assert(kExperts <= kThreads, "top-k: one thread per expert numbers the slots");
 
+// Row b's top-k weights in place order: s.weight[b] holds the sigmoid weights (renormalised to sum 1 where
+// NC_NORM_TOPK, the sum rounded to bf16 first), or the chosen logits (softmax over them).
+__device__ void finish_topk_weights(TopkSmem& s, int b) {
+#if NC_SELECT_SIGMOID
+#if NC_NORM_TOPK
+  float total = 0.f;
+  for (int k = 0; k < kTopK; ++k) total += s.weight[b][k];
+  total = bf16_round(total);
+  for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(s.weight[b][k] / total);
+#endif
+#else
+  const float m = s.weight[b][0];
+  float total = 0.f;
+  for (int k = 0; k < kTopK; ++k) total += expf(s.weight[b][k] - m);
+  for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(expf(s.weight[b][k] - m) / total);
+#endif
+}
+
 __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
   constexpr int kPer = (kExperts + 31) / 32;
   const int lane = threadIdx.x & 31;
@@ -1098,22 +1112,9 @@ __device__ void topk_row(const Params& p, int layer, int b, TopkSmem& s) {
   }
   __syncwarp();
   if (lane == 0) {
-#if NC_SELECT_SIGMOID
-    float total = 0.f;
-    for (int k = 0; k < kTopK; ++k) {
-      s.weight[b][k] = bf16_round(1.f / (1.f + expf(-s.weight[b][k])));
-      total += s.weight[b][k];
-    }
-#if NC_NORM_TOPK
-    total = bf16_round(total);
-    for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(s.weight[b][k] / total);
-#endif
-#else
-    const float m = s.weight[b][0];
-    float total = 0.f;
-    for (int k = 0; k < kTopK; ++k) total += expf(s.weight[b][k] - m);
-    for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(expf(s.weight[b][k] - m) / total);
-#endif
+    if (NC_SELECT_SIGMOID)
+      for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(1.f / (1.f + expf(-s.weight[b][k])));
+    finish_topk_weights(s, b);
   }
 }
 
@@ -1159,20 +1160,7 @@ __device__ void topk_ranks(const Params& p, int layer, TopkSmem& s) {
   }
 #if !NC_SELECT_SIGMOID || NC_NORM_TOPK
   __syncthreads();
-  const int b = threadIdx.x;
-  if (b < p.batch_size) {
-#if NC_SELECT_SIGMOID
-    float total = 0.f;
-    for (int k = 0; k < kTopK; ++k) total += s.weight[b][k];
-    total = bf16_round(total);
-    for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(s.weight[b][k] / total);
-#else
-    const float m = s.weight[b][0];
-    float total = 0.f;
-    for (int k = 0; k < kTopK; ++k) total += expf(s.weight[b][k] - m);
-    for (int k = 0; k < kTopK; ++k) s.weight[b][k] = bf16_round(expf(s.weight[b][k] - m) / total);
-#endif
-  }
+  if (threadIdx.x < p.batch_size) finish_topk_weights(s, threadIdx.x);
 #endif
 }
 
