@@ -56,3 +56,14 @@ def test_region_follows_the_inline_chain() -> None:
     assert tool.region(listing, 1) == []
     with pytest.raises(ValueError, match="ELF64"):
         tool.kernel_text(b"not a cubin")
+
+
+def test_misaligned_descriptors_are_the_odd_uniform_registers() -> None:
+    from northcode.megakernel.sass import misaligned_descriptors
+
+    listing = ["        /*1ada0*/                   LDGSTS.E.BYPASS.128 [R6+UR0+0x2800], desc[UR1][R30.64] ;",
+               "        /*1adc0*/                   LDGSTS.E.BYPASS.128 [R29+0x2800], desc[UR6][R28.64+0x400] ;",
+               "        /*8dd0*/                   LDG.E.NA.128.CONSTANT R36, desc[UR10][R36.64] ;",
+               "        /*8de0*/                   STG.E desc[UR13][R2.64], R5 ;",
+               "        /*8df0*/                   IMAD R1, R2, 0x3, RZ ;"]
+    assert misaligned_descriptors(listing) == [listing[0].strip(), listing[3].strip()]

@@ -1,6 +1,7 @@
 """CPU: northcode/csrc/megakernel.cu compiles with nvcc for sm_90a at the tiny and the full geometry,
-with no register spills (ptxas -v), and the built library's C ABI matches megakernel/kernel.py's ctypes mirrors.
-Skips, saying why, where nvcc is absent."""
+with no register spills (ptxas -v), no instruction the GPU refuses (megakernel/sass.py, read with nvdisasm), and
+the built library's C ABI matches megakernel/kernel.py's ctypes mirrors. Skips, saying why, where nvcc (or, for
+the machine-code check, nvdisasm) is absent."""
 
 from __future__ import annotations
 
@@ -20,10 +21,23 @@ def _nvcc_or_skip() -> str:
         pytest.skip(str(err))
 
 
-@pytest.mark.parametrize("build", ["default", "lean-fused", "norm-local", "topk-rows", "router-registers"])
-@pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
+class MisalignedDescriptors(AssertionError):
+    """A build with instructions whose memory descriptor sits in an odd uniform register (sass.py)."""
+
+
+PTXAS_ODD_DESCRIPTORS = pytest.mark.xfail(
+    raises=MisalignedDescriptors, strict=True,
+    reason="ptxas 13.0 puts 32 cp.async descriptors of this build in odd uniform registers (run 89: the GPU stops "
+           "with an illegal instruction); strict: a ptxas that stops doing it makes this test fail, to be unmarked")
+BUILDS = ["default", "lean-fused", "norm-local", "topk-rows", "router-registers"]
+
+
+@pytest.mark.parametrize("build,preset", [
+    pytest.param(build, preset, marks=[PTXAS_ODD_DESCRIPTORS] if (build, preset) == ("norm-local", "tiny") else [])
+    for preset in ("tiny", "north-mini-code") for build in BUILDS])
 def test_compiles_for_sm90a_without_spills(preset: str, build: str, tmp_path) -> None:
     """Every build a variant runs on (Variant.build_defines)."""
+    from northcode.megakernel.sass import disassemble, find_nvdisasm, misaligned_descriptors
     from northcode.megakernel.variants import VARIANTS
 
     _nvcc_or_skip()
@@ -31,13 +45,21 @@ def test_compiles_for_sm90a_without_spills(preset: str, build: str, tmp_path) ->
     assert unsupported_reason(config) is None
     defines = VARIANTS[build].build_defines()
     assert bool(defines) == (build != "default")
-    result = subprocess.run(nvcc_command(config, tmp_path / "megakernel.so", ("-Xptxas", "-v"), defines),
+    flags = ("-Xptxas", "-v", "-keep", "-keep-dir", str(tmp_path))  # -keep: megakernel.cubin for nvdisasm
+    result = subprocess.run(nvcc_command(config, tmp_path / "megakernel.so", flags, defines),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
     assert spills, "ptxas printed no resource report"
     assert all(s == ("0", "0") for s in spills), f"register spills: {spills}"
     check_abi(tmp_path / "megakernel.so", config)
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("compiled, no spills, ABI checked; nvdisasm absent (pip install nvidia-cuda-nvdisasm): the "
+                    "machine-code check did not run")
+    bad = misaligned_descriptors(disassemble(tmp_path / "megakernel.cubin", nvdisasm))
+    if bad:
+        raise MisalignedDescriptors(f"{len(bad)} instructions with an odd descriptor register, e.g. {bad[0]}")
 
 
 def check_abi(library, config) -> None:

@@ -6,6 +6,7 @@ code byte for byte, and read an nvdisasm listing by source line.
     python tools/kernel_text.py same /tmp/a.cubin /tmp/b.cubin      # is the kernel's .text byte-identical?
     nvdisasm -gi -c /tmp/a.cubin > /tmp/a.sass                      # nvdisasm: pip wheel nvidia-cuda-nvdisasm
     python tools/kernel_text.py region /tmp/a.sass 877              # instructions inlined from megakernel.cu:877
+    python tools/kernel_text.py check /tmp/a.cubin                  # instructions the GPU refuses (megakernel/sass.py)
 
 `same` is how a change meant to leave the default alone is checked (a comment, an experiment's #if): the figures
 measured on the old build then still hold. `region` matched o_proj's instructions across builds in day 3
@@ -92,12 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--variant", default="default", help="a megakernel variant (its own build's defines apply)")
     same = commands.add_parser("same", help="compare two cubins' kernel code byte for byte")
     same.add_argument("cubins", type=Path, nargs=2)
+    check = commands.add_parser("check", help="instructions the GPU refuses (northcode/megakernel/sass.py)")
+    check.add_argument("cubin", type=Path)
     lines = commands.add_parser("region", help="instructions inlined from one source line of megakernel.cu")
     lines.add_argument("listing", type=Path)
     lines.add_argument("line", type=int)
     args = parser.parse_args(argv)
     if args.command == "build":
         print(f"{args.output}: {build(args.preset, args.output, args.variant)}")
+    elif args.command == "check":
+        from northcode.megakernel.sass import disassemble, find_nvdisasm, misaligned_descriptors
+
+        nvdisasm = find_nvdisasm()
+        if nvdisasm is None:
+            print("nvdisasm not found (pip install nvidia-cuda-nvdisasm)", file=sys.stderr)
+            return 2
+        bad = misaligned_descriptors(disassemble(args.cubin, nvdisasm))
+        print(f"{len(bad)} instructions with a descriptor in an odd uniform register", *bad[:10], sep="\n")
+        return 1 if bad else 0
     elif args.command == "same":
         a, b = (kernel_text(path.read_bytes()) for path in args.cubins)
         print(f"{'identical' if a == b else 'different'}: {len(a)} and {len(b)} bytes of kernel code")
