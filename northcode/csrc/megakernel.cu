@@ -1064,7 +1064,7 @@ struct TopkSmem {
   int used[kExperts];         // 1 where any row chose the expert
   int warp_count[kWarps];     // used experts among each warp's 32
   float logit[kMaxBatch][kExperts];     // topk_ranks: NaN read as -inf
-  unsigned key[kMaxBatch][kExperts];    // topk_ranks: topk_key, larger key, earlier place
+  alignas(16) unsigned key[kMaxBatch][kExperts];  // topk_ranks: topk_key, larger key, earlier place (uint4 reads)
 };
 static_assert(kExperts <= kThreads, "top-k: one thread per expert numbers the slots");
 
