@@ -109,3 +109,11 @@ def test_rows_stepped_together_are_the_rows_stepped_alone(dtype: torch.dtype) ->
         assert torch.equal(got.own_experts, ref.own_experts) or dtype == torch.bfloat16
         assert torch.allclose(got.keys.float(), ref.keys.float(), **tol)
     assert not torch.allclose(together[0].logits, together[1].logits)  # the rows are not one row twice
+
+
+def test_row_errors_in_one_pass_are_rel_err_row_by_row() -> None:
+    from northcode.bench.decode_oracle import rel_err, rel_errs
+
+    got, ref = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)), torch.randn(5, 64)
+    got[2, 3] = float("nan")
+    assert rel_errs(got, ref) == [rel_err(got[i], ref[i]) for i in range(5)]
