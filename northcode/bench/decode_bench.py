@@ -8,13 +8,15 @@ kernel's per-layer expert counts, plus the KV the rows attend to), and % of spee
 PNG plot. `--variants` times megakernel variants (megakernel/variants.py: flags and task-list options)
 against the default in the same run. The torch baseline is the engine's TorchBackend (paged, CUDA graphs)
 on a copy of the same pools, falling back to model.py's eager decode if it fails; it is skipped where the
-copy would not fit. A torch cell notes what it timed when that is not the graphed step.
+copy would not fit. A torch cell notes what it timed when that is not the compiled, graphed step (northcode's
+loggers print at INFO here: compile times, and a failed compile's traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.quick:
         args.batch, args.context, args.steps = [1, 8], [8192], 10
+    show_northcode_logs()
     from northcode.model.synthetic import preset_config, random_weights
 
     config = preset_config("north-mini-code")
@@ -105,6 +108,16 @@ def run(args: argparse.Namespace) -> int:
     plot(results, args.out / "decode_bench.png")
     print(table(results))
     return 0
+
+
+def show_northcode_logs() -> None:
+    """northcode's INFO lines on stderr (compile times, a failed torch.compile's traceback), once per process."""
+    logger = logging.getLogger("northcode")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def measure_bandwidth() -> dict:
@@ -217,8 +230,8 @@ def time_megakernel(config, weights, cache, steps: int, warmup: int, variant: st
 def time_torch(config, weights, cache, steps: int, warmup: int) -> tuple[float | None, list[int], str | None]:
     """The engine's TorchBackend (paged, CUDA graphs, grouped-GEMM MoE) -> (ms per step, expert counts, note).
 
-    The note says what was timed when it is not the graphed step: a bucket whose capture failed runs eagerly
-    inside the backend; if the backend fails outright, model.py's eager decode is timed instead (after the
+    The note says what was timed when it is not the backend's best step (torch_backend_notes: a compile that
+    failed, a capture that failed); if the backend fails outright, model.py's eager decode is timed instead (after the
     failed backend is gone, so nothing of it leaks into that measurement); ms is None if that fails too."""
     import gc
 
@@ -226,9 +239,8 @@ def time_torch(config, weights, cache, steps: int, warmup: int) -> tuple[float |
 
     note = None
     try:
-        ms, failures = time_torch_backend(config, weights, cache, steps, warmup)
-        if failures:
-            note = "eager, capture failed: " + "; ".join(failures)
+        ms, notes = time_torch_backend(config, weights, cache, steps, warmup)
+        note = "; ".join(notes) or None
     except Exception as err:  # a baseline problem must not lose the megakernel's figures
         first_line = (str(err).strip().splitlines() or [""])[0]
         note = f"model.py eager; torch backend failed: {type(err).__name__}: {first_line}"
@@ -250,7 +262,7 @@ def time_torch(config, weights, cache, steps: int, warmup: int) -> tuple[float |
 
 
 def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> tuple[float, list[str]]:
-    """ms per graphed decode step, and the backend's capture failures (buckets it ran eagerly). The backend
+    """ms per decode step, and what the backend ran instead of its best step (torch_backend_notes). The backend
     is freed before returning (gc: it lives in reference cycles), so its graphs go before the next capture."""
     import gc
 
@@ -275,11 +287,21 @@ def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> tuple
         decode(step)
     end.record()
     end.synchronize()
-    failures = [f"batch {b}, {p} pages: {why}" for (b, p), why in backend.capture_failures.items()]
+    notes = torch_backend_notes(backend.compile_failure, backend.capture_failures)
     del backend, decode
     gc.collect()
     torch.cuda.empty_cache()
-    return begin.elapsed_time(end) / steps, failures
+    return begin.elapsed_time(end) / steps, notes
+
+
+def torch_backend_notes(compile_failure: str | None, capture_failures: dict[tuple[int, int], str]) -> list[str]:
+    """What a TorchBackend timed other than its best step: a torch.compile that failed (the eager step was
+    graphed instead: a slower baseline, so a larger speed-up), buckets whose graph capture failed (run eagerly)."""
+    notes = []
+    if compile_failure:
+        notes.append(f"eager step, torch.compile failed: {compile_failure}")
+    notes += [f"eager, capture failed: batch {b}, {p} pages: {why}" for (b, p), why in capture_failures.items()]
+    return notes
 
 
 def time_model_eager(config, weights, cache, steps: int, warmup: int) -> float:
