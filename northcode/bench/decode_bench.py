@@ -270,9 +270,12 @@ def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> tuple
 
     from northcode.engine.backend import DecodeBatch
     from northcode.torch_backend.backend import TorchBackend
+    from northcode.torch_backend.compiled_step import compiled_pool_pages
 
-    batch = len(cache.lengths)
-    backend = TorchBackend(config, weights, cache.k_pool.shape[0], 64, batch, cache.block_tables.shape[2])
+    batch, pages = len(cache.lengths), cache.k_pool.shape[0]
+    too_big = pages > compiled_pool_pages(config, 64)  # its compile would fail (32-bit offsets): don't try
+    backend = TorchBackend(config, weights, pages, 64, batch, cache.block_tables.shape[2],
+                           compile=False if too_big else None)
     backend.k_pool[:-1].copy_(cache.k_pool)
     backend.v_pool[:-1].copy_(cache.v_pool)
     tables = cache.block_tables.cpu()
@@ -288,6 +291,8 @@ def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> tuple
     end.record()
     end.synchronize()
     notes = torch_backend_notes(backend.compile_failure, backend.capture_failures)
+    if too_big:
+        notes.insert(0, f"eager step: {pages} pool pages, over the compiled step's {compiled_pool_pages(config, 64)}")
     del backend, decode
     gc.collect()
     torch.cuda.empty_cache()

@@ -257,7 +257,9 @@ def compiled_pool_pages(config, page_size: int) -> int:
     """The most KV pages the compiled step can run over: its pool [2, pages + 1 (scratch), ps, Hkv, D] must stay
     under 2^31 elements. Past that inductor indexes it with 64-bit offsets, and in torch 2.11 the flex_attention
     template then fails to compile in Triton ("Ternary expression with dynamic condition has inconsistent types
-    int64 and int32", run 29: a 68 GB engine pool on the H200; the decode bench's small pools never hit it)."""
+    int64 and int32", run 29: a 68 GB engine pool on the H200; run 99: the decode bench's pools at 32K x 4 rows and
+    128K x 2, which share pages across layers: 12 full layers each hold the whole context). The engine caps its pool
+    here; the bench times the eager step past it and says so."""
     per_page = 2 * page_size * config.num_key_value_heads * config.head_dim
     return (2 ** 31 - 1) // per_page - 1
 
