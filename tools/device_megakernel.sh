@@ -36,6 +36,9 @@ phase build 60 python3 -c "$BUILD"
 if [ "${BENCH_ONLY:-0}" != 1 ]; then  # BENCH_ONLY=1: build and time only (the tested kernel did not change)
 phase tiny 100 python3 -m pytest -q -rf -k "not full5" $T tests/gpu/test_megakernel_kv_writes.py \
   tests/gpu/test_megakernel_sampling.py "$D::test_tiny_teacher_forced" "$D::test_free_running_greedy_agreement[tiny-4]"
+# the engine on the kernel: MegakernelBackend's plumbing, pipelined launches, the Engine with backend=megakernel
+phase engine 150 python3 -m pytest -q -rf tests/gpu/test_megakernel_backend.py tests/gpu/test_megakernel_backend_gpu.py \
+  tests/gpu/test_engine_backend_choice_gpu.py
 phase tasks5 60 python3 -m pytest -q -rf -k full5 $T
 FULL_TESTS=("$D::test_full_shapes_shallow_teacher_forced")
 [ "${FULL49:-0}" = 1 ] && FULL_TESTS+=("$D::test_full_teacher_forced[1]" "$D::test_full_32k_context" \
@@ -55,7 +58,7 @@ for b in 1 8; do  # the default's raw profiles come back (offline: python -m nor
 done
 
 echo "==== pytest ===="
-grep -hE "^FAILED|^ERROR|passed|failed" "$OUT/tiny.log" "$OUT/tasks5.log" "$OUT/full.log" | cut -c1-300 | tail -20
+grep -hE "^FAILED|^ERROR|passed|failed" "$OUT/tiny.log" "$OUT/engine.log" "$OUT/tasks5.log" "$OUT/full.log" | cut -c1-300 | tail -20
 echo "==== teacher-forced (kernel / torch bf16 error against fp32 following the kernel's experts) ===="
 python3 - "$OUT/report.jsonl" <<'PY'
 import json, sys
