@@ -152,6 +152,24 @@ def test_run_experts_computes_only_selected_experts():
         torch.testing.assert_close(out[n], expected)
 
 
+def test_run_experts_groups_pairs_as_torch_where_did():
+    """The pairs are grouped on the host (one transfer, not a GPU sync per expert); each expert must still see
+    its (token, slot) pairs in torch.where's row-major order, so sums are bit for bit what they were."""
+    gen = torch.Generator().manual_seed(3)
+    num_experts, hidden, inter, tokens, k = 16, 32, 8, 40, 4
+    gate_up, down = torch.randn(num_experts, 2 * inter, hidden, generator=gen), torch.randn(num_experts, hidden, inter,
+                                                                                          generator=gen)
+    h, weights = torch.randn(tokens, hidden, generator=gen), torch.rand(tokens, k, generator=gen)
+    expert_ids = torch.randint(0, num_experts, (tokens, k), generator=gen)  # repeats inside a row too
+    want = torch.zeros_like(h)
+    for expert_id in torch.unique(expert_ids).tolist():
+        token_idx, slot_idx = torch.where(expert_ids == expert_id)
+        gate, up = torch.nn.functional.linear(h[token_idx], gate_up[expert_id]).chunk(2, dim=-1)
+        out = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down[expert_id])
+        want.index_add_(0, token_idx, out * weights[token_idx, slot_idx, None])
+    assert torch.equal(run_experts(h, gate_up, down, expert_ids, weights), want)
+
+
 # --- the model over its cache ---
 
 

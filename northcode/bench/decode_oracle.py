@@ -99,6 +99,7 @@ class Oracle:
         own = torch.full((n, L, k), -1, dtype=torch.long, device=dev)
         new_k = torch.empty(n, L, c.num_key_value_heads, c.head_dim, dtype=dt, device=dev)
         new_v = torch.empty_like(new_k)
+        follow_here = None if follow is None else follow.to(dev).long()  # route_weights gathers with it
         for i in range(L):
             p = f"model.layers.{i}."
             residual[:, i] = x.reshape(n, -1).float()
@@ -126,10 +127,12 @@ class Oracle:
                 logits = F.linear(h2, self.w(p + "mlp.gate.weight"))  # [N, E] in dt, as model.route
                 router[:, i] = logits.float()
                 own[:, i] = torch.topk(logits, k, dim=-1).indices
-                ids = own[:, i] if follow is None else follow[:, i].to(dev).long()
+                ids = own[:, i] if follow is None else follow_here[:, i]
                 weights = route_weights(logits, ids, c)
+                # a host copy of followed ids: run_experts groups the rows by expert on the host, without a sync
                 mlp = m.run_experts(h2, _CastRows(self.weights[p + "mlp.experts.gate_up_proj"], dt),
-                                    _CastRows(self.weights[p + "mlp.experts.down_proj"], dt), ids, weights)
+                                    _CastRows(self.weights[p + "mlp.experts.down_proj"], dt),
+                                    ids if follow is None else follow[:, i], weights)
             x = x + attn + mlp.view_as(h)  # the parallel block, as NorthModel.forward
         residual[:, L] = x.reshape(n, -1).float()
         logits = m.lm_logits(x, self.w("model.norm.weight"), self.w("lm_head.weight"), c)

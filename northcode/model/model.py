@@ -135,9 +135,16 @@ def run_experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
     h: [N, H]; gate_up: [E, 2I, H] (gate rows, then up rows); down: [E, H, I];
     expert_ids, expert_weights: [N, k]. Experts are added in ascending id order, like transformers.
     """
+    k = expert_ids.shape[-1]
+    flat = expert_ids.cpu().flatten()  # grouped on the host: one transfer a call, not a GPU sync per expert
+    order = torch.argsort(flat, stable=True)  # the (token, slot) pairs of each expert in row-major order,
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)  # as torch.where lists them
+    pairs = order.to(h.device)
+    tokens, slots = pairs // k, pairs % k
     out = torch.zeros_like(h)
-    for expert_id in torch.unique(expert_ids).tolist():  # sorted
-        token_idx, slot_idx = torch.where(expert_ids == expert_id)
+    starts = [0] + torch.cumsum(counts, 0).tolist()
+    for expert_id, start, end in zip(experts.tolist(), starts, starts[1:]):  # ascending ids
+        token_idx, slot_idx = tokens[start:end], slots[start:end]
         gate, up = F.linear(h[token_idx], gate_up[expert_id]).chunk(2, dim=-1)
         expert_out = F.linear(F.silu(gate) * up, down[expert_id])  # [n, H]
         out.index_add_(0, token_idx, expert_out * expert_weights[token_idx, slot_idx, None])

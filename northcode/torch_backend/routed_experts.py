@@ -1,6 +1,6 @@
 """The routed experts of a sparse layer in few kernels and no host sync: prefill and decode.
 
-model.run_experts loops over the chosen experts in Python (a host sync and three kernels per expert);
+model.run_experts loops over the chosen experts in Python (one host sync a call and ~6 kernels per expert);
 here a whole batch of (token, expert) pairs goes through in a fixed number of kernels, so the step can
 be captured in a CUDA graph. Two ways, both exact up to fp32 rounding against model.run_experts (the
 experts of a token are summed in top-k order instead of ascending id order):
