@@ -268,13 +268,14 @@ def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> tuple
 
     import torch
 
+    from northcode.bench.decode_setup import PAGE_SIZE
     from northcode.engine.backend import DecodeBatch
     from northcode.torch_backend.backend import TorchBackend
     from northcode.torch_backend.compiled_step import compiled_pool_pages
 
-    batch, pages = len(cache.lengths), cache.k_pool.shape[0]
-    too_big = pages > compiled_pool_pages(config, 64)  # its compile would fail (32-bit offsets): don't try
-    backend = TorchBackend(config, weights, pages, 64, batch, cache.block_tables.shape[2],
+    batch, pages, limit = len(cache.lengths), cache.k_pool.shape[0], compiled_pool_pages(config, PAGE_SIZE)
+    too_big = pages > limit  # its compile would fail (32-bit offsets): don't try
+    backend = TorchBackend(config, weights, pages, PAGE_SIZE, batch, cache.block_tables.shape[2],
                            compile=False if too_big else None)
     backend.k_pool[:-1].copy_(cache.k_pool)
     backend.v_pool[:-1].copy_(cache.v_pool)
@@ -292,7 +293,7 @@ def time_torch_backend(config, weights, cache, steps: int, warmup: int) -> tuple
     end.synchronize()
     notes = torch_backend_notes(backend.compile_failure, backend.capture_failures)
     if too_big:
-        notes.insert(0, f"eager step: {pages} pool pages, over the compiled step's {compiled_pool_pages(config, 64)}")
+        notes.insert(0, f"eager step: {pages} pool pages, over the compiled step's {limit}")
     del backend, decode
     gc.collect()
     torch.cuda.empty_cache()
