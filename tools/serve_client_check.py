@@ -86,7 +86,8 @@ def main() -> int:
         check("bad request", True, f"400: {str(err)[:100]}")
 
     metrics = httpx.get(args.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
-    wanted = ("northcode_generation_tokens_total", "northcode_prompt_tokens_total", "northcode_cached_prompt_tokens_total")
+    wanted = ("northcode_generation_tokens_total", "northcode_prompt_tokens_total",
+              "northcode_cached_prompt_tokens_total")
     lines = [line for line in metrics.splitlines() if line.startswith(wanted)]
     check("metrics", bool(lines), "; ".join(lines))
     return 0
