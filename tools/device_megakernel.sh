@@ -13,15 +13,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NC_REPORT="$OUT/report.jsonl" NORTHCODE_REQUIRE_GPU=1
 export NC_TEST_STEPS=${NC_TEST_STEPS:-16} NC_TINY_STEPS=${NC_TINY_STEPS:-32} PYTHONUNBUFFERED=1 NC_VARIANTS=${NC_VARIANTS:-default}
 BENCH_VARIANTS=${BENCH_VARIANTS:-"megakernel/day2-default"}
-: > "$OUT/phases.txt"
-phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, record rc and seconds
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  [ $rc -eq 124 ] && rc="124(timeout ${limit}s)"
-  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/phases.txt"
-}
+source tools/device_phase.sh
 BUILD='
 from concurrent.futures import ThreadPoolExecutor
 from northcode.bench.decode_check import preset_config

@@ -20,14 +20,7 @@ PY
 python3 -c "import site, sys; print(sys.argv[1], file=open(site.getsitepackages()[0] + '/nc-wheels.pth', 'w'))" \
   "$SITE" 2>/dev/null || export PYTHONPATH="$SITE"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} NORTHCODE_HOME=/tmp/nch PYTHONUNBUFFERED=1
-: > "$OUT/phases.txt"
-phase() {  # phase NAME LIMIT_S COMMAND...: run with a time limit, record rc and seconds
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/phases.txt"
-}
+source tools/device_phase.sh
 phase doctor 60 python3 -m northcode.cli doctor
 python3 -m northcode.cli serve --port 8123 > "$OUT/serve.log" 2>&1 &
 SERVER=$!
