@@ -16,11 +16,13 @@ Nothing in the shapes depends on the context length (the block mask is data), so
 CUDA graph per batch bucket serve every context: no recompile, no capture while serving. Per layer kind, not
 the 49 layers unrolled, keeps a bucket's compile to five small graphs. CompiledDecode (below) runs them,
 compiles a bucket at warm-up and checks it against the eager step there (backend.py falls back on failure).
-At batch 1 on a GPU the bucket compiles with coordinate-descent tuning, which turns every M = 1 GEMM into
-inductor's GEMV (its mm/bmm decompositions, as gpt-fast): the weights stream near peak bandwidth instead of
-cuBLAS's ~1.6 TB/s at M = 1, and the routed experts take the gathered path (routed_experts.py), whose gather
+At batches 1 and 2 on a GPU the bucket compiles with coordinate-descent tuning, which turns every small-M GEMM
+into inductor's GEMV (its mm/bmm decompositions, as gpt-fast): the weights stream near peak bandwidth instead of
+cuBLAS's ~1.6 TB/s at M = 1-8, and the routed experts take the gathered path (routed_experts.py), whose gather
 of the chosen experts' weights becomes the GEMV's indirect loads (no copy). Larger buckets keep cuBLAS and
-the grouped GEMM. NORTHCODE_TORCH_COMPILE_GEMV=N moves that limit (0: cuBLAS at batch 1 too).
+the grouped GEMM (run 105 at 8K: GEMVs -12% at B=2, -6% at B=4, +16% at B=8, where every row reads its own
+experts; a GEMV bucket compiles in ~65 s against 15-30 s). NORTHCODE_TORCH_COMPILE_GEMV=N moves that limit (0:
+cuBLAS everywhere).
 Results equal the eager step's to the model dtype's rounding (GEMV sums in fp32 in another order; flex
 keeps the scores in fp32 where the eager bmm rounds them to the model dtype).
 """
@@ -210,10 +212,11 @@ def head_step(h: torch.Tensor, lm_head: torch.Tensor, spec: StepSpec) -> torch.T
 
 
 def gemv_max_batch() -> int:
-    """NORTHCODE_TORCH_COMPILE_GEMV (default 1): the largest batch bucket compiled with inductor's GEMVs and
+    """NORTHCODE_TORCH_COMPILE_GEMV (default 2): the largest batch bucket compiled with inductor's GEMVs and
     gathered experts (0: cuBLAS and the grouped GEMM everywhere; 8: at batch 8 too, where each row reads its
-    own 8 experts, ~23% more bytes than the distinct ones, but at GEMV speed)."""
-    chosen = os.environ.get("NORTHCODE_TORCH_COMPILE_GEMV", "1").strip()
+    own 8 experts, ~23% more bytes than the distinct ones: run 105 found that 16% slower than the grouped GEMM,
+    and batch 4 6% faster for 50 s more compiling)."""
+    chosen = os.environ.get("NORTHCODE_TORCH_COMPILE_GEMV", "2").strip()
     if not chosen.isdigit():
         raise ValueError(f"NORTHCODE_TORCH_COMPILE_GEMV={chosen!r}: must be a batch size (0: never)")
     return int(chosen)
@@ -240,8 +243,8 @@ class CompileCheckError(RuntimeError):
 def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: bool = True) -> bool:
     """compile=True/False wins; None: NORTHCODE_TORCH_COMPILE=0/1 when set, else on where the step runs in CUDA
     graphs on a GPU (H200, runs 22-25: 208 tok/s at batch 1 against 133 for the eager graph, every layer within
-    bf16 rounding of the eager step; the price is a compile per batch bucket at warm-up, ~90 s for batch 1 and
-    ~20 s for the others cold, less from inductor's cache). Off on the CPU (inductor's CPU code needs a C++
+    bf16 rounding of the eager step; the price is a compile per batch bucket at warm-up, ~65-90 s for the GEMV
+    buckets (1, 2) and ~15-30 s for the others cold, less from inductor's cache). Off on the CPU (inductor's CPU code needs a C++
     compiler and gains little there) and without CUDA graphs (a prefiller or a reference)."""
     if compile is not None:
         return compile
@@ -315,7 +318,7 @@ class CompiledDecode:
         return (backend.qkv_proj[i], layer.o_proj, layer.experts_gate_up, layer.experts_down) + shared
 
     def uses_gemv(self, batch: int) -> bool:
-        """Whether this batch size compiles with coordinate-descent tuning: M = 1 GEMMs as inductor GEMVs."""
+        """Whether this batch size compiles with coordinate-descent tuning: small-M GEMMs as inductor GEMVs."""
         return batch <= self.gemv_max_batch
 
     def functions(self, batch: int) -> tuple:
