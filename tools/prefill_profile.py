@@ -1,9 +1,10 @@
-"""Where a cold prefill's GPU time goes: North Mini Code's geometry (random weights) through the engine's torch
-prefill path, one prompt of --tokens after a warm-up, under torch.profiler; prints TTFT and the top kernels.
+"""Cold prefill through the engine's torch prefill path on North Mini Code's geometry (random weights): TTFT for
+each prompt length x prefill chunk size, then the GPU time by kernel of the last pair under torch.profiler.
 
-    NORTHCODE_TORCH_COMPILE=0 python tools/prefill_profile.py --tokens 4096 [--layers N]
+    NORTHCODE_TORCH_COMPILE=0 python tools/prefill_profile.py --tokens 4096 16384 --chunk-sizes 512 2048
 
-(The decode step's compile is not needed here: NORTHCODE_TORCH_COMPILE=0 skips its minutes at start-up.)
+(NORTHCODE_TORCH_COMPILE=0: the decode step's compile is not needed here and takes minutes at start-up.
+`--preset tiny` runs it on the CPU as a smoke test, with CPU time in the table.)
 """
 
 from __future__ import annotations
@@ -24,9 +25,28 @@ async def first_token(engine, request_id: str, prompt: list[int]) -> None:
         pass
 
 
+def time_first_token(engine, request_id: str, prompt: list[int], on_gpu: bool) -> float:
+    """Seconds from the request to its first token."""
+    if on_gpu:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    asyncio.run(first_token(engine, request_id, prompt))
+    return time.perf_counter() - start
+
+
+def print_kernels(prof, on_gpu: bool, top: int) -> None:
+    own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)  # us
+    events = [e for e in prof.key_averages() if own(e) > 0]
+    total = sum(own(e) for e in events)
+    print(f"{'GPU' if on_gpu else 'CPU'} time under the profiler: {total / 1e3:.1f} ms")
+    for e in sorted(events, key=lambda e: -own(e))[:top]:
+        print(f"{own(e) / 1e3:9.2f} ms {100 * own(e) / total:5.1f}% {e.count:6d}x  {e.key[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--layers", type=int, default=0, help="only the first N layers (0: all 49)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--preset", default="north-mini-code", help="tiny: a smoke test on the CPU")
@@ -36,35 +56,30 @@ def main() -> None:
     from northcode.model.synthetic import preset_config, random_weights
 
     config = preset_config(args.preset)
-    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers, layer_types=None, mlp_layer_types=None)
+    on_gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     weights = random_weights(config, device=device, dtype=dtype)
-    settings = EngineSettings(max_batch=8, device=device, dtype=str(dtype).removeprefix("torch."), backend="torch",
-                              num_pages=4096, seed=0)
-    engine = Engine(config, weights, None, settings, model_name="profile")
     rng = random.Random(0)
-    prompt = lambda: [rng.randrange(10, config.vocab_size) for _ in range(args.tokens)]  # noqa: E731
-    asyncio.run(first_token(engine, "warm-up", prompt()))
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    asyncio.run(first_token(engine, "timed", prompt()))
-    seconds = time.perf_counter() - start
-    print(f"TTFT {args.tokens} tokens, {config.num_hidden_layers} layers: {1e3 * seconds:.1f} ms "
-          f"({args.tokens / seconds:.0f} tokens/s)")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU]) as prof:
-        asyncio.run(first_token(engine, "profiled", prompt()))
-        if device == "cuda":
-            torch.cuda.synchronize()
-    own = (lambda e: e.self_device_time_total) if device == "cuda" else (lambda e: e.self_cpu_time_total)  # us
-    events = [e for e in prof.key_averages() if own(e) > 0]
-    total = sum(own(e) for e in events)
-    print(f"GPU time under the profiler: {total / 1e3:.1f} ms")
-    for e in sorted(events, key=lambda e: -own(e))[:args.top]:
-        print(f"{own(e) / 1e3:9.2f} ms {100 * own(e) / total:5.1f}% "
-              f"{e.count:6d}x  {e.key[:110]}")
-    engine.shutdown()
+    prompt = lambda n: [rng.randrange(10, config.vocab_size) for _ in range(n)]  # noqa: E731
+    pages = -(-(max(args.tokens) + 64) // 64) * (config.num_hidden_layers + 1)  # the longest prompt, every layer
+    print(f"{'tokens':>7}{'chunk':>7}{'TTFT ms':>10}{'tokens/s':>10}")
+    for chunk in args.chunk_sizes:
+        settings = EngineSettings(max_batch=8, chunk_size=chunk, device=device, dtype=str(dtype).removeprefix("torch."),
+                                  backend="torch", num_pages=pages, seed=0)
+        engine = Engine(config, weights, None, settings, model_name="profile")
+        time_first_token(engine, "warm-up", prompt(min(args.tokens)), on_gpu)
+        for n in args.tokens:
+            seconds = time_first_token(engine, f"cold-{n}", prompt(n), on_gpu)
+            print(f"{n:7d}{chunk:7d}{1e3 * seconds:10.1f}{n / seconds:10.0f}", flush=True)
+        if chunk == args.chunk_sizes[-1]:
+            activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
+            with torch.profiler.profile(activities=[activity]) as prof:
+                time_first_token(engine, "profiled", prompt(args.tokens[-1]), on_gpu)
+            print(f"profile: {args.tokens[-1]} tokens, chunks of {chunk}")
+            print_kernels(prof, on_gpu, args.top)
+        engine.shutdown()
 
 
 if __name__ == "__main__":

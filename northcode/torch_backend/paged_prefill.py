@@ -2,8 +2,9 @@
 
 The chunk's K/V are scattered into their slots first; then its queries attend to the row's pages (full
 layers all pages up to the chunk's end, sliding layers from the window of the chunk's first query),
-masked by position: causal, inside the window on sliding layers, mapped. Attention runs in query blocks
-so that the fp32 scores of one block stay under SCORE_BUDGET_BYTES (long prompts stay in memory).
+masked by position: causal, inside the window on sliding layers, mapped. Attention is
+scaled_dot_product_attention with that mask (a fused kernel on the GPU), in query blocks where its math path
+(the CPU) would write fp32 scores beyond SCORE_BUDGET_BYTES (long prompts stay in memory).
 It runs eagerly (shapes change with every chunk); the decode step (decode_step.py) is the graphed path.
 The fused QKV weight is in decode_step.slot_major_qkv's order.
 """
@@ -100,24 +101,20 @@ class ChunkPrefill:
     def attend(self, layer_idx: int, q: torch.Tensor, rows: torch.Tensor, page_idx: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
         """q: [R, T, Hq, D] -> [R, T, Hq*D], reading pages page_idx [R, P] of each row's table in this
-        layer, with the mask of visible_keys. Scores in the model dtype times head_dim**-0.5, softmax in
-        fp32, as model.attention."""
+        layer, with the mask of visible_keys. scaled_dot_product_attention with the mask: on the GPU a fused
+        kernel (scores and softmax in fp32 on chip, none written out: run 107 found the written-out scores, their
+        softmax and copies at ~40% of a prefill), so it rounds less than model.attention's bf16 scores; on the CPU
+        the math path, in query blocks whose fp32 scores stay under SCORE_BUDGET_BYTES."""
         backend = self.backend
         pages = backend.tables[layer_idx, rows[:, None], page_idx].long()
         pages = torch.where(pages < 0, backend.scratch_page, pages)
-        keys = backend.k_pool[pages].flatten(1, 2)  # [R, S, Hkv, D]
-        values = backend.v_pool[pages].flatten(1, 2)
         r, t, num_heads, head_dim = q.shape
-        num_kv_heads = keys.shape[2]
-        q = q.view(r, t, num_kv_heads, num_heads // num_kv_heads, head_dim)  # q head j reads KV head j // group
-        block = max(1, SCORE_BUDGET_BYTES // (r * num_heads * keys.shape[1] * 4))  # queries per score block
-        out = [attend_block(q[:, i:i + block], keys, values, visible[:, i:i + block]) for i in range(0, t, block)]
-        return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).reshape(r, t, num_heads * head_dim)
-
-
-def attend_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q: [R, T, Hkv, G, D], keys/values [R, S, Hkv, D], visible [R, T, S] -> [R, T, Hkv, G, D]."""
-    scores = torch.einsum("rthgd,rshd->rhgts", q, keys) * q.shape[-1] ** -0.5  # [R, Hkv, G, T, S]
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.einsum("rhgts,rshd->rthgd", probs, values)
+        group = num_heads // backend.k_pool.shape[2]  # q head j reads KV head j // group
+        keys = backend.k_pool[pages].flatten(1, 2).transpose(1, 2).repeat_interleave(group, dim=1)  # [R, Hq, S, D]
+        values = backend.v_pool[pages].flatten(1, 2).transpose(1, 2).repeat_interleave(group, dim=1)
+        q = q.transpose(1, 2)  # [R, Hq, T, D]
+        block = max(1, SCORE_BUDGET_BYTES // (r * num_heads * keys.shape[2] * 4))  # queries per score block
+        out = [F.scaled_dot_product_attention(q[:, :, i:i + block], keys, values,
+                                              attn_mask=visible[:, None, i:i + block]) for i in range(0, t, block)]
+        out = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [R, Hq, T, D]
+        return out.transpose(1, 2).reshape(r, t, num_heads * head_dim)
