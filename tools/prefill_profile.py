@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--layers", type=int, default=0, help="only the first N layers (0: all 49)")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--warm-turns", type=int, nargs="*", default=[32, 40, 57],
+                        help="after each cold prompt: new tokens of warm turns on it (each a new shape)")
     parser.add_argument("--preset", default="north-mini-code", help="tiny: a smoke test on the CPU")
     args = parser.parse_args()
     from northcode.engine.engine import Engine
@@ -73,6 +75,11 @@ def main() -> None:
         for n in args.tokens:
             seconds = time_first_token(engine, f"cold-{n}", prompt(n), on_gpu)
             print(f"{n:7d}{chunk:7d}{1e3 * seconds:10.1f}{n / seconds:10.0f}", flush=True)
+            cold = prompt(n)  # a new prompt, prefilled once so that it is cached; then warm turns on it
+            time_first_token(engine, f"cold-again-{n}", cold, on_gpu)
+            warm = [time_first_token(engine, f"warm-{n}-{k}", cold + prompt(k), on_gpu) for k in args.warm_turns]
+            print(f"{'':14}warm turns (+{', +'.join(map(str, args.warm_turns))} tokens on {n} cached): "
+                  + ", ".join(f"{1e3 * w:.1f}" for w in warm) + " ms", flush=True)
         if chunk == args.chunk_sizes[-1]:
             activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
             with torch.profiler.profile(activities=[activity]) as prof:

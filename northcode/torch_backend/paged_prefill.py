@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from northcode.model.model import apply_rope, rope_cos_sin, swiglu
 from northcode.torch_backend.launch import to_device
 from northcode.torch_backend.routed_experts import add_moe
 
 SCORE_BUDGET_BYTES = 1 << 30  # fp32 attention scores of one query block at most
+# not cuDNN's attention, which SDPA prefers for a masked bf16 case on sm_90 but which builds a plan for every new
+# (chunk, keys) shape: run 109's warm turn (+32 tokens on 4096 cached) took 120 ms against 49 before; CUTLASS's
+# memory-efficient kernel has no per-shape set-up; the CPU takes flash (with a mask) or math
+PREFILL_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 class ChunkPrefill:
@@ -102,9 +107,9 @@ class ChunkPrefill:
                visible: torch.Tensor) -> torch.Tensor:
         """q: [R, T, Hq, D] -> [R, T, Hq*D], reading pages page_idx [R, P] of each row's table in this
         layer, with the mask of visible_keys. scaled_dot_product_attention with the mask: on the GPU a fused
-        kernel (scores and softmax in fp32 on chip, none written out: run 107 found the written-out scores, their
-        softmax and copies at ~40% of a prefill), so it rounds less than model.attention's bf16 scores; on the CPU
-        the math path, in query blocks whose fp32 scores stay under SCORE_BUDGET_BYTES."""
+        kernel (PREFILL_SDPA_BACKENDS: scores and softmax in fp32 on chip, none written out; run 107 found the
+        written-out scores, their softmax and copies at ~40% of a prefill), so it rounds less than
+        model.attention's bf16 scores; on the CPU in query blocks whose fp32 scores stay under SCORE_BUDGET_BYTES."""
         backend = self.backend
         pages = backend.tables[layer_idx, rows[:, None], page_idx].long()
         pages = torch.where(pages < 0, backend.scratch_page, pages)
@@ -114,7 +119,8 @@ class ChunkPrefill:
         values = backend.v_pool[pages].flatten(1, 2).transpose(1, 2).repeat_interleave(group, dim=1)
         q = q.transpose(1, 2)  # [R, Hq, T, D]
         block = max(1, SCORE_BUDGET_BYTES // (r * num_heads * keys.shape[2] * 4))  # queries per score block
-        out = [F.scaled_dot_product_attention(q[:, :, i:i + block], keys, values,
-                                              attn_mask=visible[:, None, i:i + block]) for i in range(0, t, block)]
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            out = [F.scaled_dot_product_attention(q[:, :, i:i + block], keys, values,
+                                                  attn_mask=visible[:, None, i:i + block]) for i in range(0, t, block)]
         out = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [R, Hq, T, D]
         return out.transpose(1, 2).reshape(r, t, num_heads * head_dim)
