@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from northcode.model.model import apply_rope, rope_cos_sin, swiglu
 from northcode.torch_backend.launch import to_device
@@ -40,14 +41,14 @@ class ChunkPrefill:
         cos, sin = rope_cos_sin(positions, backend.inv_freq, backend.dtype)  # [1, T, D]
         end_page = -(-end // ps)
         first = max(0, start - cfg.sliding_window + 1) // ps if cfg.sliding_window is not None else 0
-        views = {}  # sliding? -> (page_idx, visible), computed at the first layer of the kind
+        views = {}  # sliding? -> (page_idx, visible or None), computed at the first layer of the kind
         x = F.embedding(token_ids[None], backend.embed)  # [1, T, H]
         for i in range(cfg.num_hidden_layers):
             sliding = cfg.window(i) is not None
-            if sliding not in views:
-                views[sliding] = self.visible_keys(i, rows, positions, first if sliding else 0,
-                                                   end_page - first if sliding else end_page)
-            x = self.layer(i, x, rows, positions, cos, sin, *views[sliding])
+            if sliding not in views:  # full layers map every page before the chunk's end: causal alone, no mask
+                views[sliding] = (self.visible_keys(i, rows, positions, first, end_page - first) if sliding
+                                  else (torch.arange(end_page, device=backend.device)[None], None))
+            x = self.layer(i, x, rows, positions, cos, sin, *views[sliding], end)
         return x[0]
 
     def visible_keys(self, layer_idx: int, rows: torch.Tensor, q_positions: torch.Tensor, first_page: int,
@@ -68,8 +69,10 @@ class ChunkPrefill:
         return page_idx, visible
 
     def layer(self, layer_idx: int, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, page_idx: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """One parallel block: x [R, T, H] -> x + attention + MLP, writing this layer's K/V into the pool."""
+              cos: torch.Tensor, sin: torch.Tensor, page_idx: torch.Tensor, visible: torch.Tensor | None,
+              end: int) -> torch.Tensor:
+        """One parallel block: x [R, T, H] -> x + attention + MLP, writing this layer's K/V into the pool.
+        visible: visible_keys' mask, or None on a full layer (every key before position `end`, causal)."""
         backend, cfg = self.backend, self.config
         layer = backend.layers[layer_idx]
         kv_heads, group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
@@ -84,7 +87,7 @@ class ChunkPrefill:
         k, v = qk[..., group, :, :], qkv[..., group + 1, :, :]  # [R, T, Hkv, D]
         flat_rows = rows[:, None].expand(positions.shape).flatten()
         self.write_kv(layer_idx, flat_rows, positions.flatten(), k.flatten(0, 1), v.flatten(0, 1))
-        attn = self.attend(layer_idx, q, rows, page_idx, visible)
+        attn = self.attend(layer_idx, q, rows, page_idx, visible, end)
         x = x + F.linear(attn, layer.o_proj)
         h_flat, x_flat = h.flatten(0, 1), x.view(-1, x.shape[-1])
         if cfg.is_dense(layer_idx):
@@ -104,12 +107,14 @@ class ChunkPrefill:
         backend.v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
     def attend(self, layer_idx: int, q: torch.Tensor, rows: torch.Tensor, page_idx: torch.Tensor,
-               visible: torch.Tensor) -> torch.Tensor:
-        """q: [R, T, Hq, D] -> [R, T, Hq*D], reading pages page_idx [R, P] of each row's table in this
-        layer, with the mask of visible_keys. scaled_dot_product_attention with the mask: on the GPU a fused
-        kernel (PREFILL_SDPA_BACKENDS: scores and softmax in fp32 on chip, none written out; run 107 found the
-        written-out scores, their softmax and copies at ~40% of a prefill), so it rounds less than
-        model.attention's bf16 scores; on the CPU in query blocks whose fp32 scores stay under SCORE_BUDGET_BYTES."""
+               visible: torch.Tensor | None, end: int) -> torch.Tensor:
+        """q: [R, T, Hq, D] at positions end - T .. end - 1 -> [R, T, Hq*D], reading pages page_idx [R, P] of
+        each row's table in this layer, with visible_keys' mask, or (visible None: a full layer) the keys of
+        positions 0 .. end - 1, causal from the bottom right (no mask: the kernel skips the blocks above it).
+        scaled_dot_product_attention: on the GPU a fused kernel (PREFILL_SDPA_BACKENDS: scores and softmax in
+        fp32 on chip, none written out; run 107 found the written-out scores, their softmax and copies at ~40% of
+        a prefill), so it rounds less than model.attention's bf16 scores; on the CPU in query blocks whose fp32
+        scores stay under SCORE_BUDGET_BYTES."""
         backend = self.backend
         pages = backend.tables[layer_idx, rows[:, None], page_idx].long()
         pages = torch.where(pages < 0, backend.scratch_page, pages)
@@ -119,8 +124,16 @@ class ChunkPrefill:
         values = backend.v_pool[pages].flatten(1, 2).transpose(1, 2).repeat_interleave(group, dim=1)
         q = q.transpose(1, 2)  # [R, Hq, T, D]
         block = max(1, SCORE_BUDGET_BYTES // (r * num_heads * keys.shape[2] * 4))  # queries per score block
+        out = []
         with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            out = [F.scaled_dot_product_attention(q[:, :, i:i + block], keys, values,
-                                                  attn_mask=visible[:, None, i:i + block]) for i in range(0, t, block)]
+            for i in range(0, t, block):
+                j = min(i + block, t)
+                if visible is None:  # queries i..j-1 see keys 0 .. end - t + j - 1: the block's bottom-right corner
+                    seen = end - t + j
+                    out.append(F.scaled_dot_product_attention(q[:, :, i:j], keys[:, :, :seen], values[:, :, :seen],
+                                                              attn_mask=causal_lower_right(j - i, seen)))
+                else:
+                    out.append(F.scaled_dot_product_attention(q[:, :, i:j], keys, values,
+                                                              attn_mask=visible[:, None, i:j]))
         out = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [R, Hq, T, D]
         return out.transpose(1, 2).reshape(r, t, num_heads * head_dim)
