@@ -106,6 +106,24 @@ def test_long_prefill_attention_in_query_blocks_gives_the_same_logits(tiny, monk
     torch.testing.assert_close(prefill(kv, backend, 0, tokens, 0, 90), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("query_blocks", [False, True], ids=["whole", "query-blocks"])
+def test_full_layers_attend_causal_without_a_mask_and_give_the_same_logits(tiny, monkeypatch, query_blocks):
+    """Chunks of at least CAUSAL_MIN_QUERIES tokens attend on full layers from the bottom right without a mask:
+    chunks that start mid-page, every chunk's last logits equal the reference's, whole or in query blocks."""
+    import northcode.torch_backend.paged_prefill as paged_prefill
+
+    config, weights, model = tiny
+    tokens = torch.randint(0, config.vocab_size, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = model.forward(torch.tensor([tokens]))[0]  # [90, V]
+    monkeypatch.setattr(paged_prefill, "CAUSAL_MIN_QUERIES", 2)
+    if query_blocks:
+        monkeypatch.setattr(paged_prefill, "SCORE_BUDGET_BYTES", 4 * config.num_attention_heads * 96 * 7)
+    kv, backend = paged(config, weights)
+    for start in range(0, 90, 23):
+        end = min(90, start + 23)
+        torch.testing.assert_close(prefill(kv, backend, 1, tokens, start, end), want[end - 1], atol=1e-4, rtol=1e-4)
+
+
 def test_padded_rows_touch_only_the_scratch_page_and_change_no_real_row(tiny):
     """What a CUDA graph does with a batch of 2 in a bucket of 4: two rows at index max_batch (all -1),
     token 0 at position 0. Real rows' logits are unchanged, and only the scratch page is written."""

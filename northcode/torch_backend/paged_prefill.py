@@ -25,6 +25,10 @@ SCORE_BUDGET_BYTES = 1 << 30  # fp32 attention scores of one query block at most
 # (chunk, keys) shape: run 109's warm turn (+32 tokens on 4096 cached) took 120 ms against 49 before; CUTLASS's
 # memory-efficient kernel has no per-shape set-up; the CPU takes flash (with a mask) or math
 PREFILL_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+# chunks of at least this many tokens attend on full layers causal from the bottom right, without a mask (run 111:
+# 16K cold 1471 -> 1259 ms, 4K 233 -> 222, at chunks of 2048); shorter ones keep the mask: run 111's warm turns
+# (32-57 tokens) took 90-102 ms causal against 50-59 with the mask (run 110), a cost not yet explained
+CAUSAL_MIN_QUERIES = 1024
 
 
 class ChunkPrefill:
@@ -46,8 +50,10 @@ class ChunkPrefill:
         for i in range(cfg.num_hidden_layers):
             sliding = cfg.window(i) is not None
             if sliding not in views:  # full layers map every page before the chunk's end: causal alone, no mask
-                views[sliding] = (self.visible_keys(i, rows, positions, first, end_page - first) if sliding
-                                  else (torch.arange(end_page, device=backend.device)[None], None))
+                causal = not sliding and token_ids.shape[0] >= CAUSAL_MIN_QUERIES
+                views[sliding] = ((torch.arange(end_page, device=backend.device)[None], None) if causal else
+                                  self.visible_keys(i, rows, positions, first if sliding else 0,
+                                                    end_page - first if sliding else end_page))
             x = self.layer(i, x, rows, positions, cos, sin, *views[sliding], end)
         return x[0]
 
