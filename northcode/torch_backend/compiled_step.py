@@ -244,8 +244,8 @@ def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: b
     """compile=True/False wins; None: NORTHCODE_TORCH_COMPILE=0/1 when set, else on where the step runs in CUDA
     graphs on a GPU (H200, runs 22-25: 208 tok/s at batch 1 against 133 for the eager graph, every layer within
     bf16 rounding of the eager step; the price is a compile per batch bucket at warm-up, ~65-90 s for the GEMV
-    buckets (1, 2) and ~15-30 s for the others cold, less from inductor's cache). Off on the CPU (inductor's CPU code needs a C++
-    compiler and gains little there) and without CUDA graphs (a prefiller or a reference)."""
+    buckets (1, 2) and ~15-30 s for the others cold, less from inductor's cache). Off on the CPU (inductor's CPU
+    code needs a C++ compiler and gains little there) and without CUDA graphs (a prefiller or a reference)."""
     if compile is not None:
         return compile
     chosen = os.environ.get("NORTHCODE_TORCH_COMPILE", "").strip()
