@@ -1,0 +1,177 @@
+"""The prefill's attention alone, by kernel (`python -m northcode.bench.prefill_attention_bench`, a GPU).
+
+Run 110 put the prefill's attention at ~57% of a 16K prompt. Run 111 then found short warm turns ~40 ms
+slower when full layers attend causal without a mask (through CausalBias, which picks FlashAttention-2 there)
+than with a mask on the memory-efficient kernel. The cause was not measured. This times each way of doing one
+layer's attention for a chunk of T queries at the end of S keys (positions S - T .. S - 1 against 0 .. S - 1,
+causal, and inside the window on sliding layers), with North Mini Code's heads (32 query and 4 KV heads of 128).
+It prints each way's median time, its first call on a shape not seen before (cuDNN builds a plan per shape, a
+compiled flex_attention may compile), and its largest difference from an fp32 reference:
+  efficient-mask    SDPA's memory-efficient kernel with a bool mask (the prefill's sliding layers, short chunks)
+  efficient-causal  the same kernel, causal from the bottom right without a mask (CausalBias, flash disabled)
+  flash-causal      FlashAttention-2 causal from the bottom right (what CausalBias picks first; full layers only)
+  cudnn-mask        cuDNN's attention with the bool mask (SDPA's own first choice; run 109's plan per shape)
+  flex              flex_attention compiled once with dynamic shapes, a block mask of the same rule, GQA in the
+                    kernel (no repeated K/V)
+Every way but flex repeats K/V to the query heads first, as the prefill does. That copy is in the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+WAYS = ("efficient-mask", "efficient-causal", "flash-causal", "cudnn-mask", "flex")
+# (queries, keys, window): a chunk of 2048 on a full layer at 4K and 16K, on a sliding layer (keys from the
+# window's start), and a warm turn of 40 tokens on 4K cached, full and sliding
+SHAPES = ((2048, 4096, None), (2048, 16384, None), (2048, 6144, 4096), (40, 4136, None), (40, 4136, 4096))
+HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
+
+
+def visible(t: int, s: int, window: int | None, device) -> torch.Tensor:
+    """bool [T, S]: query i (position s - t + i) sees key j when 0 <= position - j (< window)."""
+    distance = (s - t + torch.arange(t, device=device))[:, None] - torch.arange(s, device=device)[None]
+    seen = distance >= 0
+    return seen & (distance < window) if window is not None else seen
+
+
+def repeated(k: torch.Tensor) -> torch.Tensor:
+    """[1, Hkv, S, D] -> [1, Hq, S, D]: query head h reads KV head h // group, as the prefill."""
+    return k.repeat_interleave(HEADS // k.shape[1], dim=1)
+
+
+def sdpa_with(backend, q, k, v, mask=None, causal_bias=False) -> torch.Tensor:
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    with sdpa_kernel([backend]):
+        if causal_bias:
+            mask = causal_lower_right(q.shape[2], k.shape[2])
+        return F.scaled_dot_product_attention(q, repeated(k), repeated(v), attn_mask=mask)
+
+
+_FLEX = {}  # the compiled flex_attention, once per process
+
+
+def flex_way(q, k, v, window: int | None) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=True) if q.is_cuda else flex_attention
+    t, s = q.shape[2], k.shape[2]
+    # tensors, not ints: an int captured by the rule would be a constant of the compiled kernel (a compile per shape)
+    offset = torch.tensor(s - t, device=q.device)
+    limit = torch.tensor(window if window is not None else s + 1, device=q.device)
+
+    def rule(b, h, qi, ki):
+        distance = qi + offset - ki
+        return (distance >= 0) & (distance < limit)
+
+    block_mask = create_block_mask(rule, 1, 1, t, s, device=q.device)
+    return _FLEX["fn"](q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def way_function(name: str, window: int | None) -> Callable | None:
+    """q [1, Hq, T, D], k and v [1, Hkv, S, D] -> [1, Hq, T, D]; None where the way does not apply."""
+    from torch.nn.attention import SDPBackend
+
+    if name == "efficient-mask":
+        return lambda q, k, v: sdpa_with(SDPBackend.EFFICIENT_ATTENTION, q, k, v,
+                                         visible(q.shape[2], k.shape[2], window, q.device))
+    if name == "cudnn-mask":
+        return lambda q, k, v: sdpa_with(SDPBackend.CUDNN_ATTENTION, q, k, v,
+                                         visible(q.shape[2], k.shape[2], window, q.device))
+    if name in ("efficient-causal", "flash-causal"):
+        if window is not None:
+            return None
+        backend = SDPBackend.EFFICIENT_ATTENTION if name == "efficient-causal" else SDPBackend.FLASH_ATTENTION
+        return lambda q, k, v: sdpa_with(backend, q, k, v, causal_bias=True)
+    if name == "flex":
+        return lambda q, k, v: flex_way(q, k, v, window)
+    raise ValueError(f"unknown way {name!r}; choose from {', '.join(WAYS)}")
+
+
+def reference(q, k, v, window: int | None) -> torch.Tensor:
+    """fp32 math attention with the mask."""
+    mask = visible(q.shape[2], k.shape[2], window, q.device)
+    return F.scaled_dot_product_attention(q.float(), repeated(k).float(), repeated(v).float(), attn_mask=mask)
+
+
+def timed(fn: Callable, args: tuple, repeats: int) -> float:
+    """Median seconds of fn(*args) (CUDA events on a GPU)."""
+    times = []
+    for _ in range(repeats):
+        if args[0].is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def inputs(t: int, s: int, device, dtype, seed: int = 0) -> tuple:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    make = lambda heads, n: torch.randn(1, heads, n, HEAD_DIM, generator=gen, device=device, dtype=dtype)  # noqa
+    return make(HEADS, t), make(KV_HEADS, s), make(KV_HEADS, s)
+
+
+def measure(shapes, ways, device, dtype, repeats: int) -> list[dict]:
+    """One row per (shape, way): median ms, first call on a new shape ms, max |difference| from fp32."""
+    rows = []
+    for t, s, window in shapes:
+        q, k, v = inputs(t, s, device, dtype)
+        want = reference(q, k, v, window)
+        for name in ways:
+            fn = way_function(name, window)
+            row = dict(queries=t, keys=s, window=window, way=name, ms=None, first_ms=None, max_diff=None, note="")
+            rows.append(row)
+            if fn is None:
+                row["note"] = "full layers only"
+                continue
+            try:
+                row["max_diff"] = (fn(q, k, v).float() - want).abs().max().item()
+                row["ms"] = 1e3 * timed(fn, (q, k, v), repeats)
+                fresh = inputs(t + 1, s + 64, device, dtype, seed=1)  # a shape this way has not seen
+                row["first_ms"] = 1e3 * timed(fn, fresh, 1)
+            except RuntimeError as err:  # a kernel that does not take this case (the CPU, no cuDNN, an old GPU)
+                first_line = str(err).splitlines()[0]
+                row["note"] = "no such kernel here" if "No viable backend" in first_line else first_line[:80]
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'T':>5} {'S':>6} {'window':>6}  {'way':<17}{'ms':>9}{'first ms':>10}{'max diff':>10}  note"]
+    for r in rows:
+        num = lambda x, f: format(x, f) if x is not None else "-"  # noqa: E731
+        lines.append(f"{r['queries']:>5} {r['keys']:>6} {num(r['window'], 'd'):>6}  {r['way']:<17}"
+                     f"{num(r['ms'], '.3f'):>9}{num(r['first_ms'], '.2f'):>10}{num(r['max_diff'], '.4f'):>10}  "
+                     f"{r['note']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m northcode.bench.prefill_attention_bench",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    shapes = SHAPES if on_gpu else tuple((t // 16 or 4, s // 16, w // 16 if w else None) for t, s, w in SHAPES)
+    print(format_rows(measure(shapes, args.ways, device, dtype, args.repeats)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
