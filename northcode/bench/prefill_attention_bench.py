@@ -8,12 +8,14 @@ causal, and inside the window on sliding layers), with North Mini Code's heads (
 It prints each way's median time, its first call on a shape not seen before (cuDNN builds a plan per shape, a
 compiled flex_attention may compile), and its largest difference from an fp32 reference:
   efficient-mask    SDPA's memory-efficient kernel with a bool mask (the prefill's sliding layers, short chunks)
+  ...-gqa           the same with SDPA's enable_gqa instead of repeated K/V (where the kernel takes it)
   efficient-causal  the same kernel, causal from the bottom right without a mask (CausalBias, flash disabled)
   flash-causal      FlashAttention-2 causal from the bottom right (what CausalBias picks first; full layers only)
   cudnn-mask        cuDNN's attention with the bool mask (SDPA's own first choice; run 109's plan per shape)
   flex              flex_attention compiled once with dynamic shapes, a block mask of the same rule, GQA in the
                     kernel (no repeated K/V)
-Every way but flex repeats K/V to the query heads first, as the prefill does. That copy is in the time.
+Every way but flex and the -gqa ones repeats K/V to the query heads first, as the prefill does; that copy is in
+the time.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-WAYS = ("efficient-mask", "efficient-causal", "flash-causal", "cudnn-mask", "flex")
+WAYS = ("efficient-mask", "efficient-mask-gqa", "efficient-causal", "flash-causal", "flash-causal-gqa", "cudnn-mask",
+        "flex")
 # (queries, keys, window): a chunk of 2048 on a full layer at 4K and 16K, on a sliding layer (keys from the
 # window's start), and a warm turn of 40 tokens on 4K cached, full and sliding
 SHAPES = ((2048, 4096, None), (2048, 16384, None), (2048, 6144, 4096), (40, 4136, None), (40, 4136, 4096))
@@ -45,13 +48,15 @@ def repeated(k: torch.Tensor) -> torch.Tensor:
     return k.repeat_interleave(HEADS // k.shape[1], dim=1)
 
 
-def sdpa_with(backend, q, k, v, mask=None, causal_bias=False) -> torch.Tensor:
+def sdpa_with(backend, q, k, v, mask=None, causal_bias=False, gqa=False) -> torch.Tensor:
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     with sdpa_kernel([backend]):
         if causal_bias:
             mask = causal_lower_right(q.shape[2], k.shape[2])
+        if gqa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return F.scaled_dot_product_attention(q, repeated(k), repeated(v), attn_mask=mask)
 
 
@@ -80,17 +85,18 @@ def way_function(name: str, window: int | None) -> Callable | None:
     """q [1, Hq, T, D], k and v [1, Hkv, S, D] -> [1, Hq, T, D]; None where the way does not apply."""
     from torch.nn.attention import SDPBackend
 
-    if name == "efficient-mask":
+    gqa = name.endswith("-gqa")
+    if name.removesuffix("-gqa") == "efficient-mask":
         return lambda q, k, v: sdpa_with(SDPBackend.EFFICIENT_ATTENTION, q, k, v,
-                                         visible(q.shape[2], k.shape[2], window, q.device))
+                                         visible(q.shape[2], k.shape[2], window, q.device), gqa=gqa)
     if name == "cudnn-mask":
         return lambda q, k, v: sdpa_with(SDPBackend.CUDNN_ATTENTION, q, k, v,
                                          visible(q.shape[2], k.shape[2], window, q.device))
-    if name in ("efficient-causal", "flash-causal"):
+    if name.removesuffix("-gqa") in ("efficient-causal", "flash-causal"):
         if window is not None:
             return None
         backend = SDPBackend.EFFICIENT_ATTENTION if name == "efficient-causal" else SDPBackend.FLASH_ATTENTION
-        return lambda q, k, v: sdpa_with(backend, q, k, v, causal_bias=True)
+        return lambda q, k, v: sdpa_with(backend, q, k, v, causal_bias=True, gqa=gqa)
     if name == "flex":
         return lambda q, k, v: flex_way(q, k, v, window)
     raise ValueError(f"unknown way {name!r}; choose from {', '.join(WAYS)}")
