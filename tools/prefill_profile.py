@@ -52,10 +52,17 @@ def main() -> None:
     parser.add_argument("--warm-turns", type=int, nargs="*", default=[32, 40, 57],
                         help="after each cold prompt: new tokens of warm turns on it (each a new shape)")
     parser.add_argument("--preset", default="north-mini-code", help="tiny: a smoke test on the CPU")
+    parser.add_argument("--causal-min", type=int, help="paged_prefill.CAUSAL_MIN_QUERIES for this run")
+    parser.add_argument("--profile-warm", action="store_true",
+                        help="profile a warm turn (+40 tokens on the last prompt) instead of the cold prompt")
     args = parser.parse_args()
     from northcode.engine.engine import Engine
     from northcode.engine.settings import EngineSettings
     from northcode.model.synthetic import preset_config, random_weights
+    from northcode.torch_backend import paged_prefill
+
+    if args.causal_min is not None:
+        paged_prefill.CAUSAL_MIN_QUERIES = args.causal_min
 
     config = preset_config(args.preset)
     if args.layers:
@@ -82,9 +89,14 @@ def main() -> None:
                   + ", ".join(f"{1e3 * w:.1f}" for w in warm) + " ms", flush=True)
         if chunk == args.chunk_sizes[-1]:
             activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
+            profiled = prompt(args.tokens[-1])
+            if args.profile_warm:  # cached first, then the turn of 40 new tokens on it is what is profiled
+                time_first_token(engine, "cached", profiled, on_gpu)
+                profiled = profiled + prompt(40)
             with torch.profiler.profile(activities=[activity]) as prof:
-                time_first_token(engine, "profiled", prompt(args.tokens[-1]), on_gpu)
-            print(f"profile: {args.tokens[-1]} tokens, chunks of {chunk}")
+                time_first_token(engine, "profiled", profiled, on_gpu)
+            print(f"profile: {'a warm turn of 40 tokens on ' if args.profile_warm else ''}{args.tokens[-1]} tokens, "
+                  f"chunks of {chunk}, CAUSAL_MIN_QUERIES {paged_prefill.CAUSAL_MIN_QUERIES}")
             print_kernels(prof, on_gpu, args.top)
         engine.shutdown()
 
