@@ -114,6 +114,28 @@ async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, key,
     assert tool_message["role"] == "tool" and ("updated app.py" in tool_message["content"]) == changed
 
 
+async def test_undo_takes_back_the_last_turns_edit_and_tells_the_model(workspace, store):
+    edit = ("edit", {"filePath": "app.py", "oldString": "x = 1", "newString": "x = 2"})
+    with ScriptedEndpoint([tool_reply(edit), text_reply("done"), text_reply("ok")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store, mode=Mode.FULL_AUTO)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "/undo")
+            await pilot.pause(0.1)
+            assert any("nothing to undo" in n for n in notices(app))
+            await send(app, pilot, "bump x")
+            await until(pilot, lambda: not app.is_busy and endpoint.finished == 2)
+            assert (workspace / "app.py").read_text() == "x = 2\n"
+            await send(app, pilot, "/undo")
+            await pilot.pause(0.1)
+            assert (workspace / "app.py").read_text() == "x = 1\n" and "undone: restored app.py" in notices(app)
+            await send(app, pilot, "and now?")
+            await until(pilot, lambda: not app.is_busy and endpoint.finished == 3)
+    told = endpoint.requests[2]["messages"][-1]["content"]
+    assert told.startswith("[northcode: the user undid the file changes of one of your turns (restored app.py)")
+    assert told.endswith("\n\nand now?")
+
+
 async def test_slash_commands_and_mentions(workspace, store):
     with ScriptedEndpoint([text_reply("hello"), text_reply("seen it")]) as endpoint:
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)

@@ -123,6 +123,7 @@ class Agent:
         self.on_event = on_event or (lambda event: None)
         self.request_params = request_params or {}
         self.messages: list[dict] = list(messages or [])
+        self.notes: list[str] = []  # for the model, sent ahead of the next user message (note())
         if not self.messages:
             self._append({"role": "system", "content": system_prompt(toolbox.workspace.root)})
 
@@ -136,6 +137,11 @@ class Agent:
         self.messages.append(message)
         self.on_message(message)
 
+    def note(self, text: str) -> None:
+        """Something the model should know that happened outside the conversation (the user's /undo): it goes
+        at the head of the next user message, so the history stays append-only (the prefix cache keeps it)."""
+        self.notes.append(text)
+
     async def run_turn(self, user_text: str) -> TurnResult:
         """Send one user message and work until the model stops calling tools (or the step limit).
 
@@ -145,14 +151,17 @@ class Agent:
         "tool_call_truncated": the calls are not run (their arguments may be partial) and each
         gets a tool result that says so, which keeps the history valid for the next turn.
         """
-        num_before = len(self.messages)
-        self._append({"role": "user", "content": user_text})
+        num_before, notes = len(self.messages), self.notes
+        self.notes = []
+        self._append({"role": "user", "content": "\n\n".join([*(f"[northcode: {n}]" for n in notes), user_text])})
+        self.toolbox.journal.begin_turn()  # what /undo takes back: this turn's file changes
         try:
             return await self._work()
         except (asyncio.CancelledError, EndpointError):
             if len(self.messages) == num_before + 1:  # no reply at all: take the prompt back
                 del self.messages[num_before:]
                 self.on_retract(num_before)
+                self.notes = notes + self.notes  # and its notes go with the next one
             raise
 
     async def _work(self) -> TurnResult:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from northcode.agent import file_search
+from northcode.agent.edit_journal import EditJournal, FileChange
 from northcode.agent.sandbox import Workspace
 from northcode.agent.shell import run_shell
 
@@ -82,11 +83,13 @@ class PreparedCall:
 
 
 class ToolBox:
-    """The tools bound to one workspace; `spill_dir` keeps the full output of long shell commands."""
+    """The tools bound to one workspace; `spill_dir` keeps the full output of long shell commands; `journal`
+    records every file the edit and write tools change (what /undo takes back)."""
 
     def __init__(self, workspace: Workspace, spill_dir: Path) -> None:
         self.workspace = workspace
         self.spill_dir = spill_dir
+        self.journal = EditJournal()
 
     def prepare(self, name: str, arguments: str | dict) -> PreparedCall:
         args = _parse_arguments(name, arguments)
@@ -191,8 +194,10 @@ class ToolBox:
             current = path.read_bytes().decode("utf-8", errors="replace") if path.exists() else None
             if current != before:
                 raise ToolError(f"{rel} changed since this {name} was prepared; read it again")
+            missing = tuple(folder for folder in path.parents if not folder.exists())  # deepest first
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(after.encode("utf-8"))  # bytes: keeps CRLF line ends as they were
+            self.journal.record(FileChange(path, rel, before, after, missing))
             verb = "created" if before is None else "updated"
             return f"{verb} {rel}\n{diff}"
 

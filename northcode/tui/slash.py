@@ -1,4 +1,4 @@
-"""Slash commands typed in the prompt: /new /sessions /model /mode /clear /help /quit.
+"""Slash commands typed in the prompt: /new /sessions /model /mode /undo /clear /help /quit.
 
 Each command is one method `cmd_<name>(argument)`; agent/slash_commands.py parses the line
 (an unknown command gets a notice that lists the known ones) and holds their help lines.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from northcode.agent.edit_journal import UndoError
 from northcode.agent.slash_commands import mode_from_argument, parse_command
 from northcode.tui.widgets import Notice
 
@@ -69,6 +70,21 @@ class SlashCommands:
             self.app.set_mode(mode_from_argument(argument, self.app.approvals.mode))
         except ValueError as err:
             await self.app.add(Notice(str(err), "error"))
+
+    async def cmd_undo(self, argument: str) -> None:
+        app = self.app
+        if app.is_busy:
+            app.notify("Still answering: Esc stops it first.", severity="warning")
+            return
+        try:
+            done = app.toolbox.journal.undo_last_turn()
+        except UndoError as err:
+            await app.add(Notice(str(err), "error"))
+            return
+        await app.add(Notice(f"undone: {', '.join(done)}"))
+        if app.agent is not None:  # the model must not go on from files it thinks it changed
+            app.agent.note(f"the user undid the file changes of one of your turns ({', '.join(done)}); "
+                           "those files are as they were before that turn")
 
     async def cmd_clear(self, argument: str) -> None:
         if self.app.is_busy:
