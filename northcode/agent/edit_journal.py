@@ -5,8 +5,9 @@ Each change the edit and write tools make is recorded as (path, before, after), 
 Undo takes back the last turn that changed a file: every file goes back to what it held before that turn, and a
 file the turn created is deleted again, with the folders made for it while they are empty. Nothing is undone
 unless every one of those files still holds what the agent last wrote there. If a file was changed since (by the
-user, an editor or a shell command), undo names it and touches no file. Changes made by shell commands are not recorded: the journal cannot see them. Undo works
-without git. Only this process's turns can be undone: a resumed session starts with an empty journal.
+user, an editor or a shell command), undo names it and touches no file. Changes made by shell commands are not
+recorded: the journal cannot see them. Undo works without git. Only this process's turns can be undone: a
+resumed session starts with an empty journal.
 """
 
 from __future__ import annotations
