@@ -13,7 +13,7 @@ import pytest
 from agent_scripted_endpoint import ScriptedEndpoint, raw_reply
 
 from northcode import paths
-from northcode.agent.approvals import Approvals, Decision, Mode
+from northcode.agent.approvals import Answer, Approvals, Decision, Mode
 from northcode.agent.client import ChatClient, Completion, EndpointError, split_endpoint
 from northcode.agent.mentions import expand_mentions
 from northcode.agent.metrics import kv_usage
@@ -148,6 +148,24 @@ async def test_approvals_by_mode_and_session():
     assert Mode.ASK.next() is Mode.AUTO_EDIT and Mode.FULL_AUTO.next() is Mode.ASK
     with pytest.raises(ValueError, match="expected one of ask, auto-edit, full-auto"):
         Mode.parse("yolo")
+
+
+async def test_a_denial_carries_the_users_note_to_the_model():
+    answers = [Answer(Decision.DENY, "  use pathlib instead "), Answer(Decision.DENY), Decision.DENY,
+               Answer(Decision.ALLOW_ONCE, "ignored")]
+
+    async def ask(call):
+        return answers.pop(0)
+
+    async def noop():
+        return ""
+
+    approvals = Approvals(Mode.ASK, ask)
+    edit = PreparedCall("edit", "edit", "edit a", "diff", noop)
+    assert await approvals.decide(edit) == (False, "denied by the user, who says: use pathlib instead")
+    assert await approvals.decide(edit) == (False, "denied by the user")
+    assert await approvals.decide(edit) == (False, "denied by the user")
+    assert await approvals.decide(edit) == (True, "allow once")
 
 
 async def test_connect_starts_a_background_server_and_reports_its_phases(tiny_checkpoint):

@@ -2,8 +2,9 @@
 
 Modes: `ask` (reads run; edits and shell commands ask), `auto-edit` (reads and edits run; shell
 asks), `full-auto` (everything runs). The answer to a question is allow once, allow for this
-session (every edit from then on; for shell, that exact command again) or deny. With no one to
-ask (headless), a call that needs a question is denied with a reason the model can read.
+session (every edit from then on; for shell, that exact command again) or deny, with or without a
+note that tells the model what to do instead. With no one to ask (headless), a call that needs a
+question is denied with a reason the model can read.
 The sandbox's path checks hold in every mode; approvals never widen them. Shell commands that
 can do damage beyond the workspace (sudo, recursive deletes of absolute, home or parent paths,
 force pushes, disk writes) ask even in full-auto, and are never allowed for the whole session.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from northcode.agent.tools import PreparedCall
 
@@ -54,8 +56,16 @@ def is_dangerous(command: str) -> bool:
     return DANGEROUS_COMMAND.search(command) is not None
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A decision with the user's words for the model (a denial that says what to do instead)."""
+
+    decision: Decision
+    note: str = ""
+
+
 AUTO_KINDS = {Mode.ASK: {"read"}, Mode.AUTO_EDIT: {"read", "edit"}, Mode.FULL_AUTO: {"read", "edit", "shell"}}
-Asker = Callable[[PreparedCall], Awaitable[Decision]]
+Asker = Callable[[PreparedCall], Awaitable[Decision | Answer]]
 
 
 class Approvals:
@@ -79,9 +89,10 @@ class Approvals:
         if self.ask is None:
             return False, (f"denied: mode {self.mode.value} needs the user's approval for {call.kind} calls "
                            "and no one can answer in a headless run")
-        decision = await self.ask(call)
+        answer = await self.ask(call)
+        decision, note = (answer.decision, answer.note.strip()) if isinstance(answer, Answer) else (answer, "")
         if decision is Decision.ALLOW_SESSION and not dangerous:
             self.session_allowed.add(self._session_key(call))
         if decision is Decision.DENY:
-            return False, "denied by the user"
+            return False, f"denied by the user, who says: {note}" if note else "denied by the user"
         return True, decision.value

@@ -22,7 +22,7 @@ from textual.widgets import Footer
 
 from northcode import paths
 from northcode.agent import server_process
-from northcode.agent.approvals import Approvals, Decision, Mode
+from northcode.agent.approvals import Answer, Approvals, Decision, Mode
 from northcode.agent.client import ChatClient, Completion, Delta, EndpointError
 from northcode.agent.loop import Agent, ToolEvent, TurnResult
 from northcode.agent.mentions import expand_mentions
@@ -323,7 +323,7 @@ class NorthcodeApp(App):
             await self.add(self.current)
         await self.current.write(delta.kind, delta.text)
 
-    async def ask_approval(self, call: PreparedCall) -> Decision:
+    async def ask_approval(self, call: PreparedCall) -> Decision | Answer:
         self.status.show(busy="waiting for your answer…")
         try:
             return await self.push_screen_wait(ApprovalScreen(call))

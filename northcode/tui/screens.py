@@ -1,6 +1,7 @@
 """Modal screens: the approval prompt (with the diff or command), the session list, the help page.
 
-Each is dismissed with its answer: ApprovalScreen with a Decision (Esc denies), SessionsScreen
+Each is dismissed with its answer: ApprovalScreen with a Decision (Esc denies) or, when the user
+denies and says why, an Answer with that note for the model; SessionsScreen
 with the id of the session to resume (or None), HelpScreen with nothing.
 """
 
@@ -12,21 +13,23 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Markdown, Static
+from textual.widgets import Button, DataTable, Input, Markdown, Static
 
-from northcode.agent.approvals import Decision
+from northcode.agent.approvals import Answer, Decision
 from northcode.agent.sessions import SessionInfo, SessionStore
 from northcode.agent.slash_commands import commands_table
 from northcode.agent.tools import PreparedCall
 from northcode.tui.widgets import highlighted
 
 
-class ApprovalScreen(ModalScreen[Decision]):
-    """Asks whether one tool call may run: y allow once, a allow for this session, n or Esc deny."""
+class ApprovalScreen(ModalScreen[Decision | Answer]):
+    """Asks whether one tool call may run: y allow once, a allow for this session, n or Esc deny, t deny and
+    say why (a line for the model: what to do instead; Enter sends it, the diff stays in view to quote)."""
 
     BINDINGS = [Binding("y", "decide('allow_once')", "allow once"),
                 Binding("a", "decide('allow_session')", "allow for this session"),
-                Binding("n,escape", "decide('deny')", "deny")]
+                Binding("n,escape", "decide('deny')", "deny"),
+                Binding("t", "deny_with_note", "deny and say why")]
 
     def __init__(self, call: PreparedCall) -> None:
         super().__init__()
@@ -35,21 +38,36 @@ class ApprovalScreen(ModalScreen[Decision]):
     def compose(self) -> ComposeResult:
         language = "diff" if self.call.kind == "edit" else "bash"
         with Vertical(id="approval"):
-            yield Static(f"Allow this {self.call.kind} call?", classes="modal-title")
+            yield Static(f"Allow this {self.call.kind} call?  (t: deny and tell the model why)", classes="modal-title")
             if self.call.kind != "shell":  # a command is shown once, highlighted, below
                 yield Static(self.call.title, markup=False, classes="approval-call")
             with VerticalScroll(id="approval-preview"):
                 yield Static(highlighted(self.call.preview or self.call.title, language))
-            with Horizontal(classes="buttons"):
+            with Horizontal(classes="buttons"):  # a fourth button would overflow an 80-column terminal
                 yield Button("Allow once (y)", id="allow_once", variant="primary")
                 yield Button("Allow for this session (a)", id="allow_session")
                 yield Button("Deny (n, Esc)", id="deny", variant="error")
+            yield Input(placeholder="What should the model do instead? Enter sends, Esc denies", id="deny-note")
+
+    def on_mount(self) -> None:
+        self.query_one("#deny-note", Input).display = False
 
     def action_decide(self, answer: str) -> None:
         self.dismiss(Decision[answer.upper()])
 
+    def action_deny_with_note(self) -> None:
+        """The note's line takes the buttons' place (the screen keeps its height; the diff stays to quote)."""
+        self.query_one(".buttons").display = False
+        note = self.query_one("#deny-note", Input)
+        note.display = True
+        note.focus()
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.action_decide(event.button.id or "deny")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.dismiss(Answer(Decision.DENY, event.value.strip()))
 
 
 def _age(timestamp: float) -> str:
