@@ -81,6 +81,9 @@ class SlashCommands:
         except UndoError as err:
             await app.add(Notice(str(err), "error"))
             return
+        except OSError as err:  # a file the journal could not write back (permissions, a full disk)
+            await app.add(Notice(f"undo failed part way: {err}", "error"))
+            return
         await app.add(Notice(f"undone: {', '.join(done)}"))
         if app.agent is not None:  # the model must not go on from files it thinks it changed
             app.agent.note(f"the user undid the file changes of one of your turns ({', '.join(done)}); "
