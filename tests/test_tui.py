@@ -96,8 +96,11 @@ async def test_escape_cancels_the_request_on_the_server(workspace, store, key):
     assert messages[2]["content"].startswith("slow slow")
 
 
-@pytest.mark.parametrize("key, changed", [("y", True), ("n", False), ("escape", False)])
-async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, key, changed):
+@pytest.mark.parametrize("keys, changed, told", [
+    (("y",), True, "updated app.py"), (("n",), False, "denied by the user"), (("escape",), False, "denied by the user"),
+    # t: deny and say why; y, a, n and t are typed into the note, not taken as answers
+    (("t", *"use y not an n", "enter"), False, "denied by the user, who says: use y not an n")])
+async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, keys, changed, told):
     edit = ("edit", {"filePath": "app.py", "oldString": "x = 1", "newString": "x = 2"})
     with ScriptedEndpoint([tool_reply(edit), text_reply("ok")]) as endpoint:
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
@@ -106,30 +109,12 @@ async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, key,
             await send(app, pilot, "bump x")
             await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
             assert "+x = 2" in app.screen.call.preview
-            await pilot.press(key)
+            await pilot.press(*keys)
             await until(pilot, lambda: not app.is_busy and endpoint.finished == 2)
             assert app.query(ToolCallView)
     assert (workspace / "app.py").read_text() == ("x = 2\n" if changed else "x = 1\n")
     tool_message = endpoint.requests[1]["messages"][-1]
-    assert tool_message["role"] == "tool" and ("updated app.py" in tool_message["content"]) == changed
-
-
-async def test_a_denial_can_say_why_and_the_model_reads_it(workspace, store):
-    edit = ("edit", {"filePath": "app.py", "oldString": "x = 1", "newString": "x = 2"})
-    with ScriptedEndpoint([tool_reply(edit), text_reply("ok")]) as endpoint:
-        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
-        async with app.run_test(size=(100, 30)) as pilot:
-            await until(pilot, lambda: app.agent is not None)
-            await send(app, pilot, "bump x")
-            await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
-            await pilot.press("t")
-            await pilot.press(*"use y not an n")  # y, a, n and t are typed into the note, not answers
-            assert isinstance(app.screen, ApprovalScreen) and "+x = 2" in app.screen.call.preview
-            await pilot.press("enter")
-            await until(pilot, lambda: not app.is_busy and endpoint.finished == 2)
-    assert (workspace / "app.py").read_text() == "x = 1\n"
-    tool_message = endpoint.requests[1]["messages"][-1]
-    assert tool_message["role"] == "tool" and "denied by the user, who says: use y not an n" in tool_message["content"]
+    assert tool_message["role"] == "tool" and told in tool_message["content"]
 
 
 async def test_undo_takes_back_the_last_turns_edit_and_tells_the_model(workspace, store):
