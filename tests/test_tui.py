@@ -117,6 +117,36 @@ async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, keys
     assert tool_message["role"] == "tool" and told in tool_message["content"]
 
 
+async def test_compact_goes_on_from_the_first_request_and_a_summary_in_a_new_session(workspace, store):
+    replies = [text_reply("looked"), text_reply("changed"), text_reply("Goal: tidy app.py. Done: read it."),
+               text_reply("next")]
+    with ScriptedEndpoint(replies) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "/compact")
+            await pilot.pause(0.1)
+            assert any("nothing to compact" in n for n in notices(app)) and endpoint.finished == 0
+            for number, text in enumerate(["tidy app.py", "go on"], start=1):
+                await send(app, pilot, text)
+                await until(pilot, lambda: not app.is_busy and endpoint.finished == number)
+            long_session = app.session_id
+            await send(app, pilot, "/compact")
+            await until(pilot, lambda: not app.is_busy and endpoint.finished == 3)
+            assert any(n.startswith("compacted 5 messages") and long_session in n for n in notices(app))
+            await send(app, pilot, "and now?")
+            await until(pilot, lambda: not app.is_busy and endpoint.finished == 4)
+            assert app.session_id != long_session and len(store.messages(long_session)) == 5
+    summary_request = endpoint.requests[2]
+    assert "tools" not in summary_request and summary_request["messages"][-1]["content"].startswith(
+        "[northcode: the conversation is being compacted")
+    after = endpoint.requests[3]["messages"]
+    assert [m["role"] for m in after] == ["system", "user", "assistant", "user"]
+    assert after[1]["content"].endswith("My first request was:\n\ntidy app.py")
+    assert after[2]["content"] == "Summary of the work so far:\n\nGoal: tidy app.py. Done: read it."
+    assert store.messages(app.session_id)[:3] == after[:3]
+
+
 async def test_undo_takes_back_the_last_turns_edit_and_tells_the_model(workspace, store):
     edit = ("edit", {"filePath": "app.py", "oldString": "x = 1", "newString": "x = 2"})
     with ScriptedEndpoint([tool_reply(edit), text_reply("done"), text_reply("ok")]) as endpoint:

@@ -24,6 +24,7 @@ from northcode import paths
 from northcode.agent import server_process
 from northcode.agent.approvals import Answer, Approvals, Decision, Mode
 from northcode.agent.client import ChatClient, Completion, Delta, EndpointError
+from northcode.agent.compaction import CompactError, compacted, first_request, summarise
 from northcode.agent.loop import Agent, ToolEvent, TurnResult
 from northcode.agent.mentions import expand_mentions
 from northcode.agent.metrics import kv_usage
@@ -246,6 +247,35 @@ class NorthcodeApp(App):
         finally:
             self.status.show(busy="")
         await self.refresh_metrics()
+
+    @work(exclusive=True, group="turn", exit_on_error=False)
+    async def compact(self) -> None:
+        """/compact: the model summarises the conversation, which goes on, shorter, in a new session (the long
+        one stays saved); Esc cancels it and changes nothing."""
+        assert self.agent is not None and self.client is not None
+        agent, old_session = self.agent, self.session_id
+        self.status.show(busy="compacting…")
+        try:
+            first_request(agent.messages)  # nothing to compact: said before a request is sent
+            summary = await summarise(self.client, agent.messages, **self.request_params)
+        except (CompactError, EndpointError) as err:
+            await self.add(Notice(str(err), "error"))
+            return
+        finally:
+            self.status.show(busy="")
+        messages = compacted(agent.messages, summary.content)
+        self.start_session(messages)
+        self.agent.notes = agent.notes  # an /undo the model has not yet been told of
+        for message in messages:
+            self.recorder.save(message)
+        await self.clear_transcript()
+        for message in messages[1:]:
+            await self.show_saved(message)
+        tokens = (summary.usage or {}).get("completion_tokens")
+        await self.add(Notice(f"compacted {len(agent.messages)} messages into the first request and a summary"
+                              f"{f' of {tokens} tokens' if tokens else ''}; the whole conversation stays in "
+                              f"session {old_session} (/sessions)"))
+        self.status.show(context_used=None, cache_share=None)
 
     def restore_prompt(self, text: str) -> bool:
         """Put a prompt that got no answer back into the input, unless the user is typing another."""

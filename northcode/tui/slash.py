@@ -1,4 +1,4 @@
-"""Slash commands typed in the prompt: /new /sessions /model /mode /undo /clear /help /quit.
+"""Slash commands typed in the prompt: /new /sessions /model /mode /undo /compact /clear /help /quit.
 
 Each command is one method `cmd_<name>(argument)`; agent/slash_commands.py parses the line
 (an unknown command gets a notice that lists the known ones) and holds their help lines.
@@ -88,6 +88,13 @@ class SlashCommands:
         if app.agent is not None:  # the model must not go on from files it thinks it changed
             app.agent.note(f"the user undid the file changes of one of your turns ({', '.join(done)}); "
                            "those files are as they were before that turn")
+
+    async def cmd_compact(self, argument: str) -> None:
+        if self.app.is_busy:
+            self.app.notify("Still answering: Esc stops it first.", severity="warning")
+            return
+        if self.require_connection() and self.app.agent is not None:
+            self.app.compact()
 
     async def cmd_clear(self, argument: str) -> None:
         if self.app.is_busy:
