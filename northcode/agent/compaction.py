@@ -5,12 +5,16 @@ goal, what was done and decided, the files touched and what is left. The new con
 prompt (with AGENTS.md), the user's first request word for word (the goal is not left to the summary), and the
 summary as the assistant's reply. The next user message follows it, so user and assistant turns still alternate
 as chat templates expect. The user asks for it and is told: nothing is summarised behind their back. The
-conversation before compaction stays in its saved session.
+conversation before compaction stays in its saved session. When the conversation no longer fits the context (the
+reason to compact), its oldest turns after the first request are left out of the summary, half at a time, and the
+user is told how many messages were.
 """
 
 from __future__ import annotations
 
-from northcode.agent.client import ChatClient, Completion
+import re
+
+from northcode.agent.client import ChatClient, Completion, EndpointError
 
 COMPACT_REQUEST = """[northcode: the conversation is being compacted to free the context.] Write a summary that \
 lets you go on with this work without the conversation. Keep: the user's goal and every instruction or \
@@ -18,6 +22,10 @@ preference they gave; what was done, decided and ruled out, and why; every file 
 matters in it; commands run and their outcomes (tests that pass or fail); what is left to do, next step first. \
 Be specific (names, paths, errors, numbers); leave out pleasantries and the tool output itself. Do not call tools."""
 FIRST_REQUEST_MAX_CHARS = 8_000  # the first request is kept word for word up to this (attached files can be long)
+MAX_SHORTENINGS = 6  # halvings of the turns after the first request before giving up
+# northcode: "prompt of N tokens does not fit the context of M tokens"; vLLM: "maximum context length is";
+# llama.cpp: "exceeds the available context size"
+TOO_LONG = re.compile(r"does not fit the context|maximum context length|exceeds? the (available )?context", re.I)
 
 
 class CompactError(RuntimeError):
@@ -35,15 +43,42 @@ def first_request(messages: list[dict]) -> str:
     raise CompactError("nothing to compact: the conversation has no request yet")
 
 
-async def summarise(client: ChatClient, messages: list[dict], **params) -> Completion:
-    """The model's summary of `messages` (no tools offered)."""
-    completion = None
-    async for event in client.stream_chat([*messages, {"role": "user", "content": COMPACT_REQUEST}], None, **params):
-        if isinstance(event, Completion):
-            completion = event
-    if completion is None or not completion.content.strip():
-        raise CompactError("the model wrote no summary; the conversation is unchanged")
-    return completion
+def without_oldest_turns(messages: list[dict]) -> list[dict] | None:
+    """`messages` with the older half of the turns after the first request left out, and a line that says so in
+    their place (an assistant line: the turns still alternate); None when one turn is all that is left."""
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "user"]  # a turn starts at a user message
+    if len(starts) < 3:
+        return None
+    cut = starts[1 + (len(starts) - 1) // 2]  # keep the first request and the newer half of the other turns
+    head = messages[:starts[0] + 1]
+    dropped = [m for m in messages[starts[0] + 1:cut] if not str(m.get("content", "")).startswith("[northcode: ")]
+    marker = {"role": "assistant", "content": "[northcode: earlier messages are left out here: the conversation "
+                                              "did not fit the context]"}
+    return [*head, marker, *messages[cut:]] if dropped else None
+
+
+async def summarise(client: ChatClient, messages: list[dict], **params) -> tuple[Completion, int]:
+    """The model's summary of `messages` (no tools offered) and how many messages were left out of it to fit."""
+    kept = messages
+    for _ in range(MAX_SHORTENINGS + 1):
+        completion = None
+        try:
+            request = [*kept, {"role": "user", "content": COMPACT_REQUEST}]
+            async for event in client.stream_chat(request, None, **params):
+                if isinstance(event, Completion):
+                    completion = event
+        except EndpointError as err:
+            shorter = without_oldest_turns(kept) if TOO_LONG.search(str(err)) else None
+            if shorter is None:
+                raise
+            kept = shorter
+            continue
+        if completion is None or not completion.content.strip():
+            raise CompactError("the model wrote no summary; the conversation is unchanged")
+        left_out = len(messages) - len(kept) + (kept is not messages)  # the marker line is not a message of theirs
+        return completion, left_out
+    raise CompactError("the conversation does not fit the context even without its older turns; start afresh "
+                       "with /new")
 
 
 def compacted(messages: list[dict], summary: str) -> list[dict]:

@@ -257,7 +257,7 @@ class NorthcodeApp(App):
         self.status.show(busy="compacting…")
         try:
             first_request(agent.messages)  # nothing to compact: said before a request is sent
-            summary = await summarise(self.client, agent.messages, **self.request_params)
+            summary, left_out = await summarise(self.client, agent.messages, **self.request_params)
         except (CompactError, EndpointError) as err:
             await self.add(Notice(str(err), "error"))
             return
@@ -273,8 +273,9 @@ class NorthcodeApp(App):
             await self.show_saved(message)
         tokens = (summary.usage or {}).get("completion_tokens")
         await self.add(Notice(f"compacted {len(agent.messages)} messages into the first request and a summary"
-                              f"{f' of {tokens} tokens' if tokens else ''}; the whole conversation stays in "
-                              f"session {old_session} (/sessions)"))
+                              f"{f' of {tokens} tokens' if tokens else ''}"
+                              f"{f' (the oldest {left_out} did not fit the context: left out of it)' if left_out else ''}"
+                              f"; the whole conversation stays in session {old_session} (/sessions)"))
         self.status.show(context_used=None, cache_share=None)
 
     def restore_prompt(self, text: str) -> bool:
