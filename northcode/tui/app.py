@@ -272,10 +272,10 @@ class NorthcodeApp(App):
         for message in messages[1:]:
             await self.show_saved(message)
         tokens = (summary.usage or {}).get("completion_tokens")
+        missing = f" (the oldest {left_out} did not fit the context: left out of it)" if left_out else ""
         await self.add(Notice(f"compacted {len(agent.messages)} messages into the first request and a summary"
-                              f"{f' of {tokens} tokens' if tokens else ''}"
-                              f"{f' (the oldest {left_out} did not fit the context: left out of it)' if left_out else ''}"
-                              f"; the whole conversation stays in session {old_session} (/sessions)"))
+                              f"{f' of {tokens} tokens' if tokens else ''}{missing}; the whole conversation stays "
+                              f"in session {old_session} (/sessions)"))
         self.status.show(context_used=None, cache_share=None)
 
     def restore_prompt(self, text: str) -> bool:
