@@ -17,8 +17,10 @@ def test_the_line_with_everything_known():
                          context_used=1000, context_window=4096, cache_share=0.4, kv_usage=0.003, busy="generating…")
     assert stats.line() == ("generating…  m │ mode auto-edit │ 12.3 tok/s │ TTFT 250 ms │ ctx 1000/4096 (24%) │ "
                             "cache 40% │ KV 0.3% │ proj")
+    stats.context_used = 3300  # 81% of the window: the line suggests /compact
+    assert "│ ctx 3300/4096 (81%) /compact │" in stats.line()
     stats.context_window = None  # an endpoint that does not state its context length
-    assert "│ ctx 1000 │" in stats.line()
+    assert "│ ctx 3300 │" in stats.line()
 
 
 @pytest.mark.parametrize("fraction, text", [(0.0, "0%"), (0.0004, "<0.1%"), (0.003, "0.3%"), (0.094, "9.4%"),

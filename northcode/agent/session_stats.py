@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from northcode.agent.client import Completion, Delta
 
 
+COMPACT_HINT_SHARE = 0.8  # of the context window used: the status line suggests /compact from here
+
+
 @dataclass
 class SessionStats:
     """What the status line shows; None where not known yet."""
@@ -29,12 +32,14 @@ class SessionStats:
     busy: str = ""  # "generating…", "loading: …", "" when idle
 
     def line(self) -> str:
+        """The status line; the context part suggests /compact once the window is COMPACT_HINT_SHARE full."""
         parts = [self.model, f"mode {self.mode}"]
         parts.append(f"{self.tokens_per_s:.1f} tok/s" if self.tokens_per_s is not None else "– tok/s")
         parts.append(f"TTFT {self.ttft_s * 1000:.0f} ms" if self.ttft_s is not None else "TTFT –")
         if self.context_used is not None and self.context_window:
-            parts.append(f"ctx {self.context_used}/{self.context_window} "
-                         f"({self.context_used / self.context_window:.0%})")
+            share = self.context_used / self.context_window
+            hint = " /compact" if share >= COMPACT_HINT_SHARE else ""
+            parts.append(f"ctx {self.context_used}/{self.context_window} ({share:.0%}){hint}")
         elif self.context_used is not None:
             parts.append(f"ctx {self.context_used}")
         parts.append(f"cache {self.cache_share:.0%}" if self.cache_share is not None else "cache –")
