@@ -37,10 +37,10 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 
 
 def visible(t: int, s: int, window: int | None, device) -> torch.Tensor:
-    """bool [T, S]: query i (position s - t + i) sees key j when 0 <= position - j (< window)."""
-    distance = (s - t + torch.arange(t, device=device))[:, None] - torch.arange(s, device=device)[None]
-    seen = distance >= 0
-    return seen & (distance < window) if window is not None else seen
+    """bool [T, S]: query i at position s - t + i against keys 0 .. s - 1 (model.attention_mask's rule)."""
+    from northcode.model.model import attention_mask
+
+    return attention_mask(torch.arange(s - t, s, device=device), torch.arange(s, device=device), window)
 
 
 def repeated(k: torch.Tensor) -> torch.Tensor:
