@@ -29,8 +29,8 @@ class FileChange:
     created_dirs: tuple[Path, ...] = ()  # folders the change made for the file, deepest first
 
 
-def _current(path: Path) -> str | None:
-    """The file's text as the tools read it, or None when it does not exist."""
+def file_text(path: Path) -> str | None:
+    """The file's text as the edit tools compare it (undecodable bytes replaced), or None when there is no file."""
     return path.read_bytes().decode("utf-8", errors="replace") if path.is_file() else None
 
 
@@ -60,7 +60,7 @@ class EditJournal:
         for change in changes:
             first.setdefault(change.path, change)
             last[change.path] = change
-        moved = [change.rel for path, change in last.items() if _current(path) != change.after]
+        moved = [change.rel for path, change in last.items() if file_text(path) != change.after]
         if moved:
             raise UndoError(f"not undone: {', '.join(moved)} changed since the agent wrote "
                             f"{'it' if len(moved) == 1 else 'them'}; no file was touched")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from northcode.agent import file_search
-from northcode.agent.edit_journal import EditJournal, FileChange
+from northcode.agent.edit_journal import EditJournal, FileChange, file_text
 from northcode.agent.sandbox import Workspace
 from northcode.agent.shell import run_shell
 
@@ -191,8 +191,7 @@ class ToolBox:
         diff = unified_diff(rel, before, after)
 
         async def execute() -> str:
-            current = path.read_bytes().decode("utf-8", errors="replace") if path.exists() else None
-            if current != before:
+            if file_text(path) != before:
                 raise ToolError(f"{rel} changed since this {name} was prepared; read it again")
             missing = tuple(folder for folder in path.parents if not folder.exists())  # deepest first
             path.parent.mkdir(parents=True, exist_ok=True)
