@@ -18,19 +18,14 @@ import time
 import torch
 
 
-async def first_token(engine, request_id: str, prompt: list[int]) -> None:
-    from northcode.engine.request import SamplingParams
-
-    async for _ in engine.generate(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
-        pass
-
-
 def time_first_token(engine, request_id: str, prompt: list[int], on_gpu: bool) -> float:
     """Seconds from the request to its first token."""
     if on_gpu:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    asyncio.run(first_token(engine, request_id, prompt))
+    from northcode.bench.engine_bench import generate_one
+
+    asyncio.run(generate_one(engine, request_id, prompt, 1))
     return time.perf_counter() - start
 
 

@@ -96,7 +96,8 @@ def build_engine(args: argparse.Namespace):
     return Engine(config, weights, None, settings, model_name=f"{args.preset} (random weights)")
 
 
-async def _one(engine, request_id: str, prompt: list[int], max_tokens: int):
+async def generate_one(engine, request_id: str, prompt: list[int], max_tokens: int):
+    """One greedy request of max_tokens (no stop at EOS) through the engine; its final output."""
     from northcode.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -121,10 +122,10 @@ def measure(engine, args: argparse.Namespace, on_gpu: bool) -> EngineBenchResult
     result = EngineBenchResult(engine.model_name, str(engine.backend.k_pool.device), stats["backend"],
                                prompt_len, args.turn_len, context, backend_reason=stats["backend_reason"])
     run = lambda coro: asyncio.run(coro)  # noqa: E731
-    run(_one(engine, "warm-up", random_prompt(rng, vocab, prompt_len), 2))  # allocator, lazy kernels
+    run(generate_one(engine, "warm-up", random_prompt(rng, vocab, prompt_len), 2))  # allocator, lazy kernels
     prompt = random_prompt(rng, vocab, prompt_len)
-    cold = run(_one(engine, "cold", prompt, 1))
-    warm = run(_one(engine, "warm", prompt + random_prompt(rng, vocab, args.turn_len), 1))
+    cold = run(generate_one(engine, "cold", prompt, 1))
+    warm = run(generate_one(engine, "warm", prompt + random_prompt(rng, vocab, args.turn_len), 1))
     result.ttft_cold_s = cold.timings.time_to_first_token_s
     result.ttft_warm_s = warm.timings.time_to_first_token_s
     result.warm_cached_tokens = warm.usage.cached_tokens
@@ -140,7 +141,7 @@ def _measure_decode(engine, rng: random.Random, batch: int, context: int, decode
     prompts = [random_prompt(rng, vocab, context - decode_tokens) for _ in range(batch)]
 
     async def all_of(tag: str, max_tokens: int):
-        return await asyncio.gather(*[_one(engine, f"{tag}-{batch}-{i}", p, max_tokens) for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[generate_one(engine, f"{tag}-{batch}-{i}", p, max_tokens) for i, p in enumerate(prompts)])
 
     asyncio.run(all_of("decode-warm-up", decode_tokens))  # captures the graphs; the prompts stay cached
     finals = asyncio.run(all_of("decode", decode_tokens))
