@@ -141,7 +141,8 @@ def _measure_decode(engine, rng: random.Random, batch: int, context: int, decode
     prompts = [random_prompt(rng, vocab, context - decode_tokens) for _ in range(batch)]
 
     async def all_of(tag: str, max_tokens: int):
-        return await asyncio.gather(*[generate_one(engine, f"{tag}-{batch}-{i}", p, max_tokens) for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[generate_one(engine, f"{tag}-{batch}-{i}", p, max_tokens)
+                                      for i, p in enumerate(prompts)])
 
     asyncio.run(all_of("decode-warm-up", decode_tokens))  # captures the graphs; the prompts stay cached
     finals = asyncio.run(all_of("decode", decode_tokens))
