@@ -35,6 +35,12 @@ class SlashCommands:
             self.app.notify("Not connected to a model yet.", severity="warning")
         return self.app.client is not None
 
+    def idle(self) -> bool:
+        """Whether no answer is running; warns when one is (the commands that change the conversation wait)."""
+        if self.app.is_busy:
+            self.app.notify("Still answering: Esc stops it first.", severity="warning")
+        return not self.app.is_busy
+
     async def cmd_new(self, argument: str) -> None:
         if self.app.is_busy:
             self.app.action_stop()
@@ -73,8 +79,7 @@ class SlashCommands:
 
     async def cmd_undo(self, argument: str) -> None:
         app = self.app
-        if app.is_busy:
-            app.notify("Still answering: Esc stops it first.", severity="warning")
+        if not self.idle():
             return
         try:
             done = app.toolbox.journal.undo_last_turn()
@@ -90,15 +95,13 @@ class SlashCommands:
                            "those files are as they were before that turn")
 
     async def cmd_compact(self, argument: str) -> None:
-        if self.app.is_busy:
-            self.app.notify("Still answering: Esc stops it first.", severity="warning")
+        if not self.idle():
             return
         if self.require_connection() and self.app.agent is not None:
             self.app.compact()
 
     async def cmd_clear(self, argument: str) -> None:
-        if self.app.is_busy:
-            self.app.notify("Still answering: Esc stops it first.", severity="warning")
+        if not self.idle():
             return
         await self.app.clear_transcript()
 
