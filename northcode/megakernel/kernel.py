@@ -246,6 +246,24 @@ class RowSpec:
     top_p: float = 1.0
     min_p: float = 0.0
 
+    def pack(self, vocab_size: int) -> bytes:
+        """The row's RowState (ROW_FORMAT), taking every value a validated request carries (issue 24): a top_k
+        at or above the vocabulary is off (0) as the kernel reads it, the seed is taken modulo 2^64, and a
+        temperature below SAMPLING_EPS is greedy (0: the kernel's 1/T overflows fp32 at 1e-39). ValueError,
+        naming the field, for an integer beyond int32 or a float beyond fp32."""
+        from northcode.engine.request import SAMPLING_EPS
+
+        for name in ("position", "seq", "step"):
+            if not 0 <= getattr(self, name) < 2**31:
+                raise ValueError(f"megakernel: row {name} = {getattr(self, name)}: must be in [0, 2^31)")
+        for name in ("temperature", "top_p", "min_p"):
+            if not abs(getattr(self, name)) <= 3.4028234663852886e38:  # NaN fails too
+                raise ValueError(f"megakernel: row {name} = {getattr(self, name)}: must be a finite fp32 number")
+        top_k = self.top_k if 0 < self.top_k < vocab_size else 0
+        temperature = self.temperature if self.temperature >= SAMPLING_EPS else 0.0
+        return struct.pack(ROW_FORMAT, self.position, self.seq, self.step, top_k, self.seed & (2**64 - 1),
+                           temperature, self.top_p, self.min_p, 0.0)
+
 
 def _variant(name: str) -> Variant:
     if name not in VARIANTS:
@@ -396,8 +414,7 @@ class Megakernel:
         """Upload the rows' states (stream-ordered copy from pinned memory: the host never waits)."""
         if not 1 <= len(rows) <= MAX_BATCH:
             raise ValueError(f"megakernel: batch of {len(rows)} rows, must be 1..{MAX_BATCH}")
-        packed = b"".join(struct.pack(ROW_FORMAT, r.position, r.seq, r.step, r.top_k, r.seed & (2**64 - 1),
-                                      r.temperature, r.top_p, r.min_p, 0.0) for r in rows)
+        packed = b"".join(r.pack(self.config.vocab_size) for r in rows)
         turn = self._rows_turn = (self._rows_turn + 1) % len(self._rows_host)
         self._rows_copied[turn].synchronize()
         host = self._rows_host[turn]
