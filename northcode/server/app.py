@@ -2,7 +2,10 @@
 
 Every failure leaves as the OpenAI error body {"error": {message, type, param, code}} with a
 fitting status: RequestError carries its own, an unknown route is a 404, anything unexpected a
-500 whose message names the exception (the traceback goes to the log, never to the client).
+500 whose message names the exception (the traceback goes to the log once, never to the client).
+A 4xx or 500 sent whole leaves the connection open for the client's next request; a client that
+hung up before its body arrived is counted as 499 and logged nowhere. Work that grows with the
+request (parsing, rendering, tokenizing) runs in worker threads, never on the event loop.
 The handlers for the two generation endpoints live in chat.py and completions.py.
 """
 
@@ -13,8 +16,9 @@ import logging
 import os
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -83,29 +87,35 @@ async def tokenize(request: Request) -> JSONResponse:
     state = request.app.state.server
     state.require_ready()
     body = await read_json(request)
+    ids = await run_in_threadpool(_tokenize, state, body)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len})
+
+
+def _tokenize(state: ServerState, body) -> list[int]:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    tokenizer = state.engine.tokenizer
     if isinstance(body.get("prompt"), str):
         prompt = body["prompt"]
         with_bos = body.get("add_special_tokens", True) is not False
-        ids = prompt_ids_of(tokenizer, prompt) if with_bos else tokenizer.encode(prompt, allow_special=True)
-    elif "messages" in body:
-        ids = build_prompt(state, body)[1]  # exactly what a chat request with this body would send
-    else:
-        raise RequestError("send either prompt (a string) or messages (an array)", "prompt")
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len})
+        return prompt_ids_of(state.engine.tokenizer, prompt, with_bos=with_bos)
+    if "messages" in body:
+        return build_prompt(state, body)[1]  # exactly what a chat request with this body would send
+    raise RequestError("send either prompt (a string) or messages (an array)", "prompt")
 
 
 async def detokenize(request: Request) -> JSONResponse:
     state = request.app.state.server
     state.require_ready()
     body = await read_json(request)
+    return JSONResponse({"prompt": await run_in_threadpool(_detokenize, state.engine.tokenizer, body)})
+
+
+def _detokenize(tokenizer, body) -> str:
     tokens = body.get("tokens") if isinstance(body, dict) else None
-    vocab = state.engine.tokenizer.vocab_size
+    vocab = tokenizer.vocab_size
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
         raise RequestError(f"tokens must be an array of token ids in [0, {vocab})", "tokens")
-    return JSONResponse({"prompt": state.engine.tokenizer.decode(tokens, skip_special_tokens=False)})
+    return tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def _error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
@@ -122,8 +132,13 @@ async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return _error_response(exc.status_code, error_body(message, kind), getattr(exc, "headers", None))
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error in %s %s", request.method, request.url.path)
+async def _on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client hung up before its body arrived: nobody is left to answer; 499 is what /metrics counts."""
+    return Response(status_code=499)
+
+
+def _unexpected_response(scope, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error in %s %s", scope.get("method"), scope["path"])
     return _error_response(500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
 
@@ -152,6 +167,10 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, receive, send_recording)
+        except Exception as exc:  # a bug. Answered here rather than by starlette, which re-raises, so that
+            if "code" in status:  # uvicorn would log it twice and close the connection; once the response
+                raise  # has started only closing the connection can end it
+            await _unexpected_response(scope, exc)(scope, receive, send_recording)
         finally:
             if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
                 self.state.metrics.count_request(path, status.get("code", 500))
@@ -174,7 +193,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
-    handlers = {RequestError: _on_request_error, HTTPException: _on_http_error, Exception: _on_unexpected}
+    handlers = {RequestError: _on_request_error, HTTPException: _on_http_error, ClientDisconnect: _on_client_gone}
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.server = state
     app.add_middleware(GuardMiddleware, state=state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -27,7 +28,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 async def chat_completions(request: Request):
     state = request.app.state.server
     state.require_ready()
-    chat, prompt_ids = build_prompt(state, await read_json(request))
+    chat, prompt_ids = await run_in_threadpool(build_prompt, state, await read_json(request))
     engine, markers = state.engine, state.markers
     forced_ids, action_prefix = forced_action(chat, prompt_ids, markers, engine.tokenizer)
     prompt_ids = prompt_ids + forced_ids
@@ -46,7 +47,8 @@ async def chat_completions(request: Request):
 
 
 def build_prompt(state, body) -> tuple[ChatRequest, list[int]]:
-    """Validate a chat request and render its prompt ids (the default system prompt added when none)."""
+    """Validate a chat request and render its prompt ids (the default system prompt added when none).
+    Its time grows with the history: call it in a worker thread."""
     chat = parse_chat_request(body, default_system_prompt=state.options.default_system_prompt)
     try:
         ids = state.template.encode(state.engine.tokenizer, chat.messages, chat.tools, add_generation_prompt=True, **chat.template_kwargs)

@@ -7,6 +7,11 @@ thinking, reasoning) filled on every message. `encode` keeps marker strings foun
 text (messages, tools, kwargs) from becoming special tokens: it wraps them in private-use
 characters before rendering and encodes those pieces as plain text, the way transformers'
 `sanitize_control_tokens=True` does; tests/test_chat_template.py diffs both against transformers.
+
+Rendering is linear in the conversation: cmd4's `regen_tool_call_ids` makes the template number the
+tool calls itself, searching every earlier call for each result (quadratic: 1,000 round trips took 49 s),
+so `render` numbers them once in Python and hands the template the numbers as the ids, with
+regen_tool_call_ids off; the text is the same byte for byte. Tokenizing releases the GIL (`encode_text`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,24 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _MARK_START, _MARK_END = "\U000f0000", "\U000f0001"  # private-use; transformers uses the same pair
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# What render and encode set themselves, and the template's globals: never a template kwarg from a client.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenizer", "self",
+                                    "raise_exception", "strftime_now"})
+
+
+def _probe_call(call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": "read", "arguments": {"path": call_id}}}
+
+
+_PROBE_HISTORY = [  # parallel calls, results out of order, an id used again in a later turn
+    {"role": "user", "content": "read a and b"},
+    {"role": "assistant", "content": "", "tool_calls": [_probe_call("call_a"), _probe_call("call_b")]},
+    {"role": "tool", "tool_call_id": "call_b", "content": "B"},
+    {"role": "tool", "tool_call_id": "call_a", "content": "A"},
+    {"role": "assistant", "content": "", "tool_calls": [_probe_call("call_c"), _probe_call("call_a")]},
+    {"role": "tool", "tool_call_id": "call_a", "content": "A again"},
+    {"role": "tool", "tool_call_id": "call_c", "content": "C"},
+]
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -94,6 +117,7 @@ class ChatTemplate:
             raise ValueError(f"chat template: syntax error at line {err.lineno}: {err.message}") from err
         self.source = source
         self.special_tokens = {"bos_token": "<BOS_TOKEN>", **(special_tokens or {})}
+        self._numbers_calls = self._numbering_is_exact()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate:
@@ -103,12 +127,28 @@ class ChatTemplate:
                add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text; equals transformers' apply_chat_template(tokenize=False) on the same inputs."""
         messages = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
-        context = {**self.special_tokens, **kwargs}
         try:
-            return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **context)
+            return self._render(messages, tools, add_generation_prompt, kwargs, number_calls=self._numbers_calls)
         except jinja2.TemplateError as err:  # raise_exception() in the template, or a template bug
             raise ValueError(f"chat template: {err}") from err
+
+    def _render(self, messages: list[dict], tools, add_generation_prompt: bool, kwargs: dict, *, number_calls: bool) -> str:
+        if number_calls and kwargs.get("regen_tool_call_ids", True) is True:
+            numbered = _numbered_calls(messages)
+            if numbered is not None:  # the template's own numbering is quadratic in the history
+                messages, kwargs = numbered, {**kwargs, "regen_tool_call_ids": False}
+        context = {**self.special_tokens, **kwargs, "messages": messages, "tools": tools, "documents": None,
+                   "add_generation_prompt": add_generation_prompt}
+        return self._template.render(context)
+
+    def _numbering_is_exact(self) -> bool:
+        """Whether this template renders calls numbered by _numbered_calls exactly as it numbers them
+        itself, checked on a probe history; a template that cannot render the probe keeps its own."""
+        probe = [_alias_reasoning(m) for m in _PROBE_HISTORY]
+        try:
+            return self._render(probe, None, True, {}, number_calls=True) == self._render(probe, None, True, {}, number_calls=False)
+        except Exception:  # any template, any failure: this is only a shortcut
+            return False
 
     def encode(self, tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
                add_generation_prompt: bool = True, **kwargs) -> list[int]:
@@ -119,8 +159,8 @@ class ChatTemplate:
         marked = _mark(messages, control_re), _mark(tools, control_re), _mark(kwargs, control_re)
         text = self.render(marked[0], marked[1], add_generation_prompt=add_generation_prompt, **marked[2])
         pieces = re.split(f"{_MARK_START}({control_re.pattern}){_MARK_END}|[{_MARK_START}{_MARK_END}]", text)
-        ids = tokenizer.encode(pieces[0], allow_special=True)
-        newline_ids = tokenizer.encode("\n", allow_special=False)
+        ids = encode_text(tokenizer, pieces[0], allow_special=True)
+        newline_ids = encode_text(tokenizer, "\n", allow_special=False)
         for i, piece in enumerate(pieces[1:], start=1):
             if piece:
                 ids += _encode_piece(tokenizer, piece, as_text=i % 2 == 1, newline_ids=newline_ids)
@@ -129,10 +169,57 @@ class ChatTemplate:
 
 def _encode_piece(tokenizer, piece: str, *, as_text: bool, newline_ids: list[int]) -> list[int]:
     # Encode after a newline and strip it again, as transformers does, so the ids match its output.
-    piece_ids = tokenizer.encode("\n" + piece, allow_special=not as_text)
+    piece_ids = encode_text(tokenizer, "\n" + piece, allow_special=not as_text)
     if piece_ids[: len(newline_ids)] == newline_ids:
         return piece_ids[len(newline_ids) :]
-    return tokenizer.encode(piece, allow_special=not as_text)
+    return encode_text(tokenizer, piece, allow_special=not as_text)
+
+
+def encode_text(tokenizer, text: str, *, allow_special: bool) -> list[int]:
+    """tokenizer.encode(text, allow_special), with the GIL released while the tokenizers library works.
+
+    Its encode_batch releases the GIL and its encode does not, so a multi-MB prompt tokenized in a
+    worker thread still froze the event loop (and /health) for seconds. northcode's Tokenizer wraps
+    encode only, so this reaches for the library objects it holds (same ids: tests/test_chat_template.py);
+    a tokenizer without them (a test double) is called as it is.
+    """
+    inner = getattr(tokenizer, "_with_special" if allow_special else "_plain", None)
+    if inner is None:
+        return tokenizer.encode(text, allow_special=allow_special)
+    return inner.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _numbered_calls(messages: list[dict]) -> list[dict] | None:
+    """The messages with the ids cmd4's regen_tool_call_ids gives: calls count up from 0 across the
+    conversation, and a tool result takes the number of the first call with its id.
+
+    None where the template's own numbering could come out otherwise: a call id that is not a string,
+    a result that answers no earlier call, tool calls outside an assistant message, a role not in
+    lower case (the template lower-cases roles).
+    """
+    numbers: dict[str, str] = {}  # call id -> the number of its first call
+    num_calls = 0
+    out = []
+    for message in messages:
+        role, calls, answered = message.get("role"), message.get("tool_calls"), message.get("tool_call_id")
+        if not isinstance(role, str) or role != role.lower():
+            return None
+        if calls:
+            if role != "assistant" or not isinstance(calls, list):
+                return None
+            if not all(isinstance(call, dict) and isinstance(call.get("id"), str) for call in calls):
+                return None
+            renumbered = [{**call, "id": str(num_calls + i)} for i, call in enumerate(calls)]
+            for call, new in zip(calls, renumbered):
+                numbers.setdefault(call["id"], new["id"])
+            num_calls += len(calls)
+            message = {**message, "tool_calls": renumbered}
+        elif role == "tool":
+            if not isinstance(answered, str) or answered not in numbers:
+                return None
+            message = {**message, "tool_call_id": numbers[answered]}
+        out.append(message)
+    return out
 
 
 def _alias_reasoning(message: dict) -> dict:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from northcode.server.chat_template import encode_text
 from northcode.server.errors import RequestError
 from northcode.server.generation import EngineRun, engine_error, prepare_sampling
 from northcode.server.request_body import read_json
@@ -21,15 +23,15 @@ from northcode.server.schemas import CompletionRequest, parse_completion_request
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def prompt_ids_of(tokenizer, prompt: str | list[int]) -> list[int]:
+def prompt_ids_of(tokenizer, prompt: str | list[int], *, with_bos: bool = True) -> list[int]:
     if isinstance(prompt, list):
         vocab = tokenizer.vocab_size
         bad = next((t for t in prompt if t >= vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary (size {vocab})", "prompt")
         return list(prompt)
-    ids = tokenizer.encode(prompt, allow_special=True)
-    if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
+    ids = encode_text(tokenizer, prompt, allow_special=True)
+    if with_bos and tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
         ids = [tokenizer.bos_id, *ids]
     return ids
 
@@ -37,9 +39,8 @@ def prompt_ids_of(tokenizer, prompt: str | list[int]) -> list[int]:
 async def completions(request: Request):
     state = request.app.state.server
     state.require_ready()
-    req = parse_completion_request(await read_json(request))
+    req, prompt_ids = await run_in_threadpool(_parse, state, await read_json(request))
     tokenizer = state.engine.tokenizer
-    prompt_ids = prompt_ids_of(tokenizer, req.prompt)
     sampling = prepare_sampling(state, req.options, len(prompt_ids), [], prompt_param="prompt")
     run = EngineRun(state, request, "cmpl", prompt_ids, sampling, prompt_param="prompt")
     await run.start()
@@ -47,6 +48,12 @@ async def completions(request: Request):
     if req.options.stream:
         return StreamingResponse(_stream(state, run, req, echo), media_type="text/event-stream", headers=SSE_HEADERS)
     return JSONResponse(await _complete(state, run, req, echo))
+
+
+def _parse(state, body) -> tuple[CompletionRequest, list[int]]:
+    """The validated request and its prompt ids (a worker thread: both grow with the prompt)."""
+    req = parse_completion_request(body)
+    return req, prompt_ids_of(state.engine.tokenizer, req.prompt)
 
 
 def _finish_reason(reason: str | None) -> str:

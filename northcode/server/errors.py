@@ -25,5 +25,6 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
 
 
 def _default_type(status: int) -> str:
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "server_overloaded"}
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+             503: "server_overloaded"}
     return kinds.get(status, "server_error")

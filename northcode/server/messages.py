@@ -10,9 +10,8 @@ tool names need not be in today's tools.
 
 from __future__ import annotations
 
-import json
-
 from northcode.server.errors import RequestError
+from northcode.server.request_body import MAX_JSON_DEPTH, check_json_value, loads_strict
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -100,10 +99,15 @@ def _call_arguments(arguments, param: str) -> dict | str:
         raise RequestError(f"{param} must be a string (the JSON text of the arguments) or an object, "
                            f"not {type(arguments).__name__}", param)
     try:
-        parsed = json.loads(arguments)
+        parsed = loads_strict(arguments)
+    except RecursionError:
+        raise RequestError(f"{param} nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects", param) from None
     except ValueError:
         return arguments
-    return parsed if isinstance(parsed, dict) else arguments
+    if not isinstance(parsed, dict):
+        return arguments
+    check_json_value(parsed, param)  # the text may hold what the body could not (depth, "\ud800" escapes)
+    return parsed
 
 
 def _tool_message(message: dict, param: str, call_ids: set[str]) -> dict:

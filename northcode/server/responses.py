@@ -1,16 +1,29 @@
-"""OpenAI response shapes: chunks, messages, usage, logprobs and SSE framing. Pure functions of their inputs."""
+"""OpenAI response shapes: chunks, messages, usage, logprobs and SSE framing. Pure functions of their inputs.
+
+Everything the server writes is strict JSON: SSE events are dumped with allow_nan=False, as starlette's
+JSONResponse does, and a logprob that is not a finite number (-inf for a token the distribution rules
+out) is written as LOGPROB_FLOOR, the way vLLM writes it, so no NaN or Infinity ever reaches a client.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 
 from northcode.engine.request import TokenLogprob, Usage
 
+LOGPROB_FLOOR = -9999.0  # natural log; vLLM's stand-in for -inf
+
 
 def sse(payload: dict | str) -> bytes:
-    """One server-sent event: `data: <json>` and a blank line."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    """One server-sent event: `data: <json>` and a blank line (ValueError for a NaN or infinite float)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return f"data: {data}\n\n".encode()
+
+
+def finite_logprob(logprob: float) -> float:
+    """-inf (and NaN, from a broken distribution) as LOGPROB_FLOOR; everything JSON can hold as it is."""
+    return logprob if math.isfinite(logprob) and logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def usage_dict(usage: Usage, reasoning_tokens: int | None = None) -> dict:
@@ -53,13 +66,13 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprob], hidden_ids: frozenset[
             continue
         token = tokenizer.decode([entry.token_id], skip_special_tokens=False)
         top = [_top_entry(tokenizer, tid, lp) for tid, lp in entry.top]
-        out.append({"token": token, "logprob": entry.logprob, "bytes": list(token.encode()), "top_logprobs": top})
+        out.append({"token": token, "logprob": finite_logprob(entry.logprob), "bytes": list(token.encode()), "top_logprobs": top})
     return out
 
 
 def _top_entry(tokenizer, token_id: int, logprob: float) -> dict:
     token = tokenizer.decode([token_id], skip_special_tokens=False)
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    return {"token": token, "logprob": finite_logprob(logprob), "bytes": list(token.encode())}
 
 
 def completion_logprobs(tokenizer, entries: list[TokenLogprob], text_offset: int) -> dict:
@@ -68,8 +81,8 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob], text_offset: int
     for entry in entries:
         token = tokenizer.decode([entry.token_id], skip_special_tokens=False)
         tokens.append(token)
-        token_logprobs.append(entry.logprob)
-        tops.append({tokenizer.decode([tid], skip_special_tokens=False): lp for tid, lp in entry.top})
+        token_logprobs.append(finite_logprob(entry.logprob))
+        tops.append({tokenizer.decode([tid], skip_special_tokens=False): finite_logprob(lp) for tid, lp in entry.top})
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from northcode.engine.request import SamplingParams
+from northcode.server.chat_template import RESERVED_TEMPLATE_ARGS
 from northcode.server.errors import RequestError
 from northcode.server.messages import normalize_messages
 
@@ -56,6 +57,8 @@ def _field(body: dict, name: str, kinds: tuple, default=None, *, what: str | Non
         raise RequestError(f"{name} must be {what or _kind_names(kinds)}, got a boolean", name)
     if not isinstance(value, kinds):
         raise RequestError(f"{name} must be {what or _kind_names(kinds)}, got {type(value).__name__}", name)
+    if isinstance(value, int) and float not in kinds and not -(2**63) <= value < 2**63:
+        raise RequestError(f"{name} = {_short(value)}: must fit in a signed 64-bit integer", name)
     return value
 
 
@@ -65,7 +68,17 @@ def _kind_names(kinds: tuple) -> str:
 
 
 def _number(body: dict, name: str, default: float) -> float:
-    return float(_field(body, name, (int, float), default))
+    value = _field(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past a double's range (JSON numbers have no limit)
+        raise RequestError(f"{name} = {_short(value)}: too large for a number", name) from None
+
+
+def _short(value) -> str:
+    """repr(value), cut to a length an error message can carry."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
 def _require_object(body) -> dict:
@@ -180,25 +193,45 @@ def parse_chat_request(body, *, default_system_prompt: str | None) -> ChatReques
 
 def _template_kwargs(body: dict) -> dict:
     kwargs = dict(_field(body, "chat_template_kwargs", (dict,), {}))
+    reserved = sorted(RESERVED_TEMPLATE_ARGS.intersection(kwargs))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs.{reserved[0]}: set by the server from the request itself, "
+                           f"not a template option (reserved: {', '.join(sorted(RESERVED_TEMPLATE_ARGS))})",
+                           f"chat_template_kwargs.{reserved[0]}")
     if "enable_thinking" in kwargs and "reasoning" not in kwargs:
         kwargs["reasoning"] = kwargs.pop("enable_thinking")  # Qwen's spelling; cmd4 reads `reasoning`
-    if "reasoning" in kwargs and not isinstance(kwargs["reasoning"], bool):
-        raise RequestError("chat_template_kwargs.reasoning must be a boolean", "chat_template_kwargs.reasoning")
+    for name in ("reasoning", "regen_tool_call_ids"):
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise RequestError(f"chat_template_kwargs.{name} must be a boolean", f"chat_template_kwargs.{name}")
     effort = _field(body, "reasoning_effort", (str,))
     if effort is not None:
         kwargs.setdefault("reasoning_effort", effort)
         kwargs.setdefault("reasoning", effort.lower() != "none")
-    response_format = _field(body, "response_format", (dict,))
+    response_format = _response_format(_field(body, "response_format", (dict,)))
     if response_format is not None:
-        kind = response_format.get("type")
-        if kind == "json_schema":
-            schema = (response_format.get("json_schema") or {}).get("schema")
-            kwargs["response_format"] = {"type": "json_object", "schema": schema} if schema else {"type": "json_object"}
-        elif kind == "json_object":
-            kwargs["response_format"] = response_format
-        elif kind != "text":
-            raise RequestError(f"response_format.type = {kind!r}: must be text, json_object or json_schema", "response_format.type")
+        kwargs["response_format"] = response_format
     return kwargs
+
+
+def _response_format(response_format: dict | None) -> dict | None:
+    """What the template reads: {"type": "json_object"}, with the schema when there is one; None for text."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise RequestError(f"response_format.type = {_short(kind)}: must be text, json_object or json_schema", "response_format.type")
+    if kind == "text":
+        return None
+    schema, param = response_format.get("schema"), "response_format.schema"
+    if kind == "json_schema":
+        json_schema = response_format.get("json_schema")
+        if not isinstance(json_schema, dict):
+            raise RequestError('response_format.json_schema must be an object: {"name": ..., "schema": {...}}',
+                               "response_format.json_schema")
+        schema, param = json_schema.get("schema"), "response_format.json_schema.schema"
+    if schema is not None and not isinstance(schema, dict):
+        raise RequestError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
+    return {"type": "json_object", "schema": schema} if schema else {"type": "json_object"}
 
 
 def _parse_tools(tools: list | None) -> list[dict] | None:
