@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from northcode.engine.request import SamplingParams
-from northcode.engine.sampling import Sampler, SamplingRow, StopStringFilter, apply_penalties, filter_probs
+from northcode.engine.sampling import (Sampler, SamplingRow, StopStringFilter, apply_penalties, filter_probs,
+                                      sampling_fault)
 
 
 def row(seed: int = 0, prompt: list[int] | None = None, output: list[int] | None = None, **params) -> SamplingRow:
@@ -98,3 +99,75 @@ def test_stop_strings_are_caught_across_pieces_and_text_that_may_start_one_is_he
     assert other.push("S") == ("", None)
     assert other.flush() == "S"
     assert StopStringFilter([]).push("abc") == ("abc", None)
+
+
+# --- numbers that stay numbers (issue 24): every validated parameter, at its extremes ---
+
+EXTREME_PARAMS = [
+    dict(temperature=1e-39), dict(temperature=5e-324, top_k=7), dict(temperature=100.0), dict(top_k=2**63),
+    dict(top_k=2**31), dict(seed=0), dict(seed=2**64 - 1), dict(seed=-2**63), dict(top_p=1e-300),
+    dict(top_p=5e-324), dict(min_p=1.0), dict(min_p=1.0, top_p=1e-300, top_k=2**40),
+    dict(repetition_penalty=1e-300), dict(repetition_penalty=5e-324, temperature=0.0), dict(repetition_penalty=10.0),
+    dict(presence_penalty=2.0, frequency_penalty=2.0), dict(presence_penalty=-2.0, frequency_penalty=-2.0),
+]
+
+
+def extreme_rows(vocab: int) -> list[SamplingRow]:
+    """One row per extreme (validated, clamped as the engine does), with a history for the penalties."""
+    rows = []
+    for b, extra in enumerate(EXTREME_PARAMS):
+        params = SamplingParams(**{"seed": b, "logprobs": 20, **extra})
+        params.validate()
+        rows.append(SamplingRow(params.clamped_to(vocab), params.seed, list(range(0, vocab, 3)), [1, 1, 2, 5]))
+    return rows
+
+
+def test_no_validated_parameter_makes_a_token_or_a_logprob_that_is_not_a_number():
+    vocab = 64
+    logits = torch.randn(len(EXTREME_PARAMS), vocab, generator=torch.Generator().manual_seed(0)) * 30
+    logits[:, 10] = 1e4  # a large positive logit: divided by a repetition penalty of 1e-300 it is inf
+    rows = extreme_rows(vocab)
+    result = Sampler().sample(logits, rows)
+    assert all(0 <= t < vocab for t in result.token_ids)
+    for entry in result.logprobs:
+        assert math.isfinite(entry.logprob) and entry.logprob <= 0 and len(entry.top) == 20
+        assert all(math.isfinite(value) for _, value in entry.top)
+    greedy = logits.argmax(-1).tolist()
+    for b, extra in enumerate(EXTREME_PARAMS):  # tiny temperatures, top_p and min_p 1 keep the best token
+        if extra.get("temperature", 1.0) < 1e-5 and "repetition_penalty" not in extra or "top_p" in extra \
+                or "min_p" in extra:
+            assert result.token_ids[b] == greedy[b], extra
+
+
+def test_the_device_sampler_draws_the_samplers_tokens_for_extreme_parameters():
+    from northcode.torch_backend.launch import sample_on_device
+
+    vocab = 64
+    logits = torch.randn(len(EXTREME_PARAMS), vocab, generator=torch.Generator().manual_seed(1)) * 30
+    rows = [r for r in extreme_rows(vocab) if r.params.repetition_penalty == 1 and not r.params.presence_penalty]
+    rows = [SamplingRow(r.params, r.seed, [], []) for r in rows]
+    expected = Sampler().sample(logits[:len(rows)], rows).token_ids
+    assert sample_on_device(logits[:len(rows)], rows).tolist() == expected
+
+
+def test_validation_names_the_field_and_accepts_what_the_engine_clamps():
+    for bad, name in [(dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k"),
+                      (dict(temperature=math.nan), "temperature"), (dict(temperature=math.inf), "temperature"),
+                      (dict(top_p=0.0), "top_p"), (dict(min_p=math.nan), "min_p"), (dict(seed=2**64), "seed"),
+                      (dict(seed=-2**63 - 1), "seed"), (dict(seed=1.0), "seed"), (dict(max_tokens=True), "max_tokens"),
+                      (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logprobs=21), "logprobs"),
+                      (dict(stop=[1]), "stop"), (dict(stop_token_ids=["a"]), "stop_token_ids")]:
+        with pytest.raises(ValueError, match=f"^{name} = "):
+            SamplingParams(**bad).validate()
+    huge = SamplingParams(top_k=2**63, temperature=1e-39, logprobs=20, seed=2**64 - 1, max_tokens=2**63)
+    huge.validate()
+    clamped = huge.clamped_to(16)
+    assert (clamped.top_k, clamped.temperature, clamped.logprobs, clamped.seed) == (0, 0.0, 16, 2**64 - 1)
+    assert clamped.is_greedy and SamplingParams(temperature=1e-6).is_greedy
+    assert SamplingParams(top_k=15).clamped_to(16).top_k == 15 and SamplingParams(top_k=16).clamped_to(16).top_k == 0
+
+
+def test_sampling_fault_names_what_cannot_be_built():
+    assert sampling_fault(row(seed=3, temperature=0.7, top_k=5, output=[1]), 32) is None
+    assert sampling_fault(row(seed=3, top_k=2**63), 32) is None  # unclamped: the samplers cap it at the vocabulary
+    assert "IndexError" in sampling_fault(row(repetition_penalty=1.5, prompt=[40]), 32)  # a token past the vocabulary

@@ -239,6 +239,7 @@ class Engine(StepRecovery, PipelinedSteps):
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       loop: asyncio.AbstractEventLoop) -> _Request:
         params.validate()
+        params = params.clamped_to(self.config.vocab_size)  # what the samplers and the kernel's row can hold
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this engine has none")
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.config.vocab_size), None)
@@ -314,17 +315,11 @@ class Engine(StepRecovery, PipelinedSteps):
             for request_id in aborts:
                 if request_id in self._requests:
                     self._finish(self._requests[request_id], "abort", None)
-            try:
-                self._step()
-            except StepAbandoned:  # the watchdog already ended the step's requests
+            failure = self._attempt(self._step)  # outside any except block: the failed step's frames are gone
+            if failure is not None:
                 if self.fatal_error is not None:
                     return  # the device was declared lost while this thread was blocked: touch nothing
-                self._recover(None)
-            except Exception as err:  # a failed step ends its requests with the error, not a hang
-                if self.fatal_error is not None:
-                    return
-                log.exception("engine step failed")
-                self._recover(f"{type(err).__name__}: {err}")
+                self._after_failed_step(failure)
             self._publish_stats()
         if self.fatal_error is None:
             for request in list(self._requests.values()):
@@ -368,10 +363,13 @@ class Engine(StepRecovery, PipelinedSteps):
             result = work()
         except Exception as err:
             error = err
-        if self._watchdog is not None and self._watchdog.end():
-            raise StepAbandoned
-        if error is not None:
-            raise error
+        try:
+            if self._watchdog is not None and self._watchdog.end():
+                raise StepAbandoned
+            if error is not None:
+                raise error
+        finally:
+            error = None  # this frame is in the error's traceback: no cycle keeps the backend's frames alive
         return result
 
     def _rows(self, sequences: list[Sequence]) -> list[SamplingRow]:

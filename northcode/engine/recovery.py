@@ -2,21 +2,29 @@
 
 The watchdog (watchdog.py) calls `_on_step_overdue` when a step passes its limit (its requests end with
 finish_reason "error" at once) and `_on_step_lost` when the step never comes back (a fatal error). The
-step thread calls `_recover` after a step that was given up or raised: the backend, KV cache and
-scheduler are rebuilt from the weights on the device and the other requests recompute and go on; a
-rebuild that fails or hangs is fatal. A fatal error ends every request, present and future, with its
-message, shows in stats() and is passed to the fatal listeners (the server: /health, non-zero exit).
+step thread runs each step through `_attempt`, which lets only the error's text out (the traceback's frames
+hold the backend and its pools), then `_after_failed_step`: a step that raised where one request's sampling
+cannot be built (sampling.sampling_fault) ends that request only, and the others go on with the same
+backend (`_isolate`); otherwise `_recover` drops the old backend (collected before the new one is
+allocated: a pool can be most of the GPU), rebuilds it, the KV cache and scheduler from the weights on the
+device, and the other requests recompute and go on; a rebuild that fails or hangs is fatal. A fatal error
+ends every request, present and future, with its message, shows in stats() and is passed to the fatal
+listeners (the server: /health, non-zero exit).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from northcode.engine.scheduler import StepPlan
+from northcode.engine.pipeline import IN_FLIGHT
+from northcode.engine.sampling import SamplingRow, sampling_fault
+from northcode.engine.scheduler import Sequence, StepPlan
 
 if TYPE_CHECKING:
     from northcode.engine.engine import _Request
@@ -53,8 +61,52 @@ def describe_step(plan: StepPlan) -> str:
     return "step (" + " and ".join(parts) + ")"
 
 
+def fault_of(seq: Sequence, vocab_size: int) -> str | None:
+    """Why this sequence's next sampling cannot be built (its draw number counts a token in flight), or None."""
+    history = seq.output_ids + [IN_FLIGHT] * seq.in_flight  # len(history) is the draw number
+    return sampling_fault(SamplingRow(seq.params, seq.seed, seq.prompt_ids, history), vocab_size)
+
+
 class StepRecovery:
     """Engine methods (engine.py owns every attribute they use)."""
+
+    def _attempt(self, work: Callable[[], None]) -> str | None:
+        """work(); None when it returned, "" when the watchdog gave it up (its requests are ended), else the
+        error in words (logged with its traceback as text: a log record must not keep the frames alive)."""
+        try:
+            work()
+        except StepAbandoned:
+            return ""
+        except Exception as err:
+            log.error("engine step failed: %s", "".join(traceback.format_exception(err)).rstrip())
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    def _after_failed_step(self, failure: str) -> None:
+        """Step thread, after _attempt(step) failed (failure "": given up by the watchdog): isolate the
+        request that caused it when one did, else restart the backend."""
+        if failure and self._isolate(failure):
+            return
+        if self.fatal_error is None:
+            self._recover(failure or None)
+
+    def _isolate(self, error: str) -> bool:
+        """End the requests of the failed step whose own sampling cannot be built (fault_of) and keep the
+        backend: read the step in flight (a failed launch may leave nothing to carry from), and the next step
+        redoes the others' work (the same positions and tokens: its KV writes are idempotent). False when no
+        request is to blame or that read fails; then the backend must be restarted."""
+        faults = [(seq, fault) for seq in dict.fromkeys(self._in_step)
+                  if (fault := fault_of(seq, self.config.vocab_size)) is not None]
+        if not faults:
+            return False
+        for seq, fault in faults:
+            request = self._requests.get(seq.request_id)
+            if request is not None and not request.ended:
+                log.error("engine: request %s ended: its sampling cannot be built (%s)", seq.request_id, fault)
+                self._finish(request, "error", None, error=f"this request's sampling could not be built ({fault}); "
+                                                             "it was ended and the other requests went on")
+        self._in_step = []
+        return self._launched is None or self._attempt(self._drain) is None
 
     def _on_step_overdue(self, what: str, limit_s: float) -> None:
         """Watchdog thread, while the step thread is blocked in the step: end the step's requests now."""

@@ -2,21 +2,35 @@
 
 The server and the benchmarks build `SamplingParams` and read `RequestOutput`s; the engine
 (engine.py) owns everything in between. `SamplingParams.validate` raises ValueError naming the
-parameter, so the server can turn it into a 400. Nothing here touches tensors.
+parameter, so the server can turn it into a 400; whatever it accepts, the engine and both backends
+can sample (issue 24): the engine then samples `clamped_to(vocab_size)` (vLLM's rules: top_k above the
+vocabulary is the vocabulary, a temperature below SAMPLING_EPS is greedy). Nothing here touches tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's): 1/T of a smaller one overflows fp32 (1e-39)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # a signed or unsigned 64-bit seed; the kernel takes it modulo 2^64
+MAX_TOP_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # below SAMPLING_EPS (0): greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -31,25 +45,44 @@ class SamplingParams:
     skip_special_tokens: bool = True  # text_delta omits special tokens (their ids are still reported)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field. NaN and infinities fail every range."""
         checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 turns it off)"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("temperature", _is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
+             "must be a number in [0, 100]"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "must be an integer >= 0 (0 turns it off)"),
+            ("top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "must be a number in (0, 1]"),
+            ("min_p", _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be a number in [0, 1]"),
+            ("seed", self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+             "must be a 64-bit integer, signed or unsigned"),
+            ("presence_penalty", _is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+             "must be a number in [-2, 2]"),
+            ("frequency_penalty", _is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+             "must be a number in [-2, 2]"),
+            ("repetition_penalty", _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+             "must be a number in (0, 10]"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+             f"must be an integer in [0, {MAX_TOP_LOGPROBS}]"),
+            ("stop", isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
+             "must be a list of strings"),
+            ("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
+             and all(_is_int(t) for t in self.stop_token_ids), "must be a list of integers"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} = {getattr(self, name)!r}: {why}")
 
+    def clamped_to(self, vocab_size: int) -> SamplingParams:
+        """These (validated) parameters as the engine samples them: top_k at or above the vocabulary off (0),
+        a temperature below SAMPLING_EPS greedy (0), at most vocab_size alternatives' logprobs."""
+        return dataclasses.replace(
+            self, top_k=self.top_k if self.top_k < vocab_size else 0,
+            temperature=self.temperature if self.temperature >= SAMPLING_EPS else 0.0,
+            logprobs=None if self.logprobs is None else min(self.logprobs, vocab_size))
+
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 @dataclass(slots=True)

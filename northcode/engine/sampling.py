@@ -4,8 +4,11 @@
 counter-based: row b's noise comes from a generator seeded by (request seed, output index), so a
 request's tokens depend only on its own seed and logits, never on what else is in the batch, and a
 preempted request that recomputes draws the same noise again. Order of operations (vLLM's):
-penalties -> temperature -> logprobs -> top-k -> top-p -> min-p -> draw. This file knows nothing of
-pages or scheduling; `StopStringFilter` works on text only.
+penalties -> temperature -> logprobs -> top-k -> top-p -> min-p -> draw. Numbers stay numbers for every
+validated parameter (issue 24): scaled logits are clamped to +-SCALED_LIMIT (a repetition penalty of
+1e-300 divides by fp32 zero), so no softmax sees inf - inf and no logprob is NaN or infinite.
+`sampling_fault` says whether one row's sampling can be built at all (the engine asks after a failed
+step). This file knows nothing of pages or scheduling; `StopStringFilter` works on text only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from northcode.engine.request import SamplingParams, TokenLogprob
+
+SCALED_LIMIT = 1e30  # |scaled logit| at most this: differences of two stay finite in fp32 (max 3.4e38)
 
 
 @dataclass(slots=True)
@@ -53,6 +58,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
                 0, ids, torch.ones(len(row.output_ids), dtype=logits.dtype, device=device))
             logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32 / temperature [B] (1 for greedy rows), clamped to +-SCALED_LIMIT (inf included)."""
+    return (logits / temperature[:, None]).clamp_(-SCALED_LIMIT, SCALED_LIMIT)
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -100,7 +110,7 @@ class Sampler:
         logits = apply_penalties(logits.float().clone(), rows)
         temperature = torch.tensor([r.params.temperature if not r.params.is_greedy else 1.0 for r in rows],
                                    device=logits.device)
-        return logits / temperature[:, None]
+        return scale_logits(logits, temperature)
 
     def _logprobs_of(self, scaled: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[TokenLogprob | None]:
         logprobs = self._logprobs(scaled, rows)
@@ -119,7 +129,7 @@ class Sampler:
     def _token_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
         top: list[tuple[int, float]] = []
         if num_top:
-            values, ids = row_logprobs.topk(num_top)
+            values, ids = row_logprobs.topk(min(num_top, row_logprobs.shape[-1]))
             top = list(zip(ids.tolist(), values.tolist()))
         return TokenLogprob(token_id, float(row_logprobs[token_id]), top)
 
@@ -130,6 +140,20 @@ class Sampler:
         from northcode.torch_backend.launch import draw_tokens  # launch.py imports this module
 
         return draw_tokens(scaled, rows)
+
+
+def sampling_fault(row: SamplingRow, vocab_size: int) -> str | None:
+    """Why one row's sampling cannot be built, or None: the Sampler's path (penalties, logprobs) and the device
+    sampler's (launch.sample_on_device) run for the row alone, on zero logits on the CPU."""
+    from northcode.torch_backend.launch import sample_on_device  # launch.py imports this module
+
+    logits = torch.zeros(1, vocab_size)
+    try:
+        Sampler().sample(logits, [row])
+        sample_on_device(logits, [row])
+    except Exception as err:  # whatever building its tensors raised: that is the answer
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 class StopStringFilter:

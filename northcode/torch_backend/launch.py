@@ -17,7 +17,7 @@ import struct
 import torch
 
 from northcode.engine.backend import DecodeBatch, DecodeResult
-from northcode.engine.sampling import SamplingRow, filter_probs, noise_seed
+from northcode.engine.sampling import SamplingRow, filter_probs, noise_seed, scale_logits
 
 
 def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
@@ -78,7 +78,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     logit_scale); rows without penalties (temperature, then top-k/top-p/min-p, counter-seeded draws)."""
     device = logits.device
     temperature = torch.tensor([r.params.temperature if not r.params.is_greedy else 1.0 for r in rows])
-    scaled = logits.float() / to_device(temperature, device)[:, None]  # [B, V]
+    scaled = scale_logits(logits.float(), to_device(temperature, device))  # [B, V]
     tokens = scaled.argmax(dim=-1)
     random_rows = [b for b, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
@@ -94,7 +94,8 @@ def draw_tokens(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     params = [r.params for r in rows]
     probs = torch.softmax(scaled, dim=-1)
     if any(p.top_k > 0 or _float32(p.top_p) < 1 or _float32(p.min_p) > 0 for p in params):
-        top_k = to_device(torch.tensor([p.top_k for p in params]), device)
+        vocab = scaled.shape[-1]  # a top_k above it keeps every token (and would overflow int64 past 2^63)
+        top_k = to_device(torch.tensor([min(p.top_k, vocab) for p in params]), device)
         top_p = to_device(torch.tensor([p.top_p for p in params], dtype=scaled.dtype), device)
         min_p = to_device(torch.tensor([p.min_p for p in params], dtype=scaled.dtype), device)
         probs = filter_probs(probs, top_k, top_p, min_p)
