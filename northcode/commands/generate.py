@@ -3,7 +3,8 @@
 No chat template: the prompt is tokenized as is, after the tokenizer's BOS. It runs
 model/model.py directly (one sequence, contiguous KV cache) with a small sampler of its own,
 greedy or temperature with a seeded generator, so it is a check of the model rather than a
-server; the engine's full sampler lives in engine/sampling.py.
+server; the engine's full sampler lives in engine/sampling.py. torch's CPU threads are the
+engine's (engine/settings.cpu_threads), or --threads.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed for sampling: the same seed gives the same tokens (default: random)")
     parser.add_argument("--dtype", default=None, metavar="D",
                         help="bfloat16, float16 or float32 (default: bfloat16 on a GPU, float32 on a CPU)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch's CPU threads (default: OMP_NUM_THREADS, else half the cores, at most 4)")
     parser.add_argument("--json", action="store_true",
                         help='print {"token_ids": [...], "text": "..."} of the generated tokens instead of streaming')
 
@@ -50,6 +53,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ValueError(f"--temperature {args.temperature}: must be a number >= 0")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: must be >= 1")
     if args.dtype is not None and args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r}: must be one of bfloat16 (bf16), float16 (fp16), float32 (fp32)")
 
@@ -59,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from northcode import paths
+    from northcode.engine.settings import cpu_threads
     from northcode.model.model import NorthModel
     from northcode.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
+    torch.set_num_threads(cpu_threads(args.threads))
     model_dir = paths.resolve_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[args.dtype] if args.dtype else ("bfloat16" if device == "cuda" else "float32")

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode backend (default: auto, which picks one and says why when the model is ready)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--num-pages", type=int, help="fixed KV pool size in 64-token pages (default: from memory)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="torch's CPU threads (default: OMP_NUM_THREADS, else half the cores, at most 4)")
     parser.add_argument("--system-prompt", help="system prompt used when a chat has none ('' for none)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: must be in [0, 65535]")
     settings = EngineSettings(max_batch=args.max_batch, gpu_memory_fraction=args.gpu_memory_fraction, backend=args.backend,
-                              device=args.device, max_model_len=args.max_model_len, num_pages=args.num_pages)
+                              device=args.device, max_model_len=args.max_model_len, num_pages=args.num_pages,
+                              num_threads=args.threads)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
     model_dir = resolve_model(args.model)

@@ -8,6 +8,7 @@ through `loop.call_soon_threadsafe` into one asyncio.Queue per request, so the e
 A step: schedule -> prefill chunks -> one decode step for all decoding rows -> sample -> detokenise,
 check stops -> emit. It knows nothing of HTTP or chat templates.
 
+Threads: torch's CPU pool is sized once, at start (settings.cpu_threads: not one per core by default).
 Backend: backend_choice.py resolves settings.backend (auto, torch, megakernel) and says why; stats() has
 "backend" and "backend_reason". Hangs: the model part of each step (prefill, decode, sampling) runs under
 the step watchdog (watchdog.py); a step that overruns or raises ends its requests with an error and the
@@ -43,7 +44,7 @@ from northcode.engine.recovery import StepAbandoned, StepRecovery, describe_step
 from northcode.engine.request import RequestOutput, SamplingParams, Timings, TokenLogprob, Usage
 from northcode.engine.sampling import Sampler, SamplingRow, StopStringFilter
 from northcode.engine.scheduler import Scheduler, Sequence, StepPlan
-from northcode.engine.settings import EngineSettings
+from northcode.engine.settings import EngineSettings, cpu_threads
 from northcode.engine.watchdog import StepWatchdog
 from northcode.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -131,6 +132,8 @@ class Engine(StepRecovery, PipelinedSteps):
                  settings: EngineSettings | None = None, model_name: str = "model",
                  backend_factory: BackendFactory | None = None) -> None:
         self.settings = settings = settings or EngineSettings()
+        torch.set_num_threads(cpu_threads(settings.num_threads))  # process-wide; before any step runs
+        log.info("engine: %d CPU threads for torch", torch.get_num_threads())
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self._weights = weights  # kept on the device: a restarted backend is built from them again
         device = weights["model.embed_tokens.weight"].device

@@ -3,15 +3,33 @@
 The model's math lives in config.py (ModelConfig); this file holds only the knobs a user or a
 benchmark may turn. Every field a user can set is checked in `__post_init__` with a ValueError that
 names it. Derived values that need the model or the device (the page count, the context length)
-are computed by the engine at start-up, never written back here.
+are computed by the engine at start-up, never written back here. `cpu_threads` is the one place the
+engine reads the environment (OMP_NUM_THREADS) for the thread count.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "torch", "megakernel")  # auto: backend_choice.py decides, and says why
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAX_DEFAULT_THREADS = 4  # torch's CPU threads by default: at most this many, and at most half the cores
+
+
+def cpu_threads(num_threads: int | None) -> int:
+    """torch's CPU threads (torch.set_num_threads, once at engine start): num_threads; else OMP_NUM_THREADS when
+    it is a positive integer; else half the cores this process may run on, between 1 and MAX_DEFAULT_THREADS.
+    Why not torch's default (one per core): the engine shares the machine with its server, tokenizer, the TUI
+    or other work, and an OpenMP pool whose threads wait for busy cores stalls every op (issue 24: `generate`
+    ran at 4-10 tokens/s beside other work on 2 cores, 142 with one thread)."""
+    if num_threads is not None:
+        return num_threads
+    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_DEFAULT_THREADS, cores // 2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +51,7 @@ class EngineSettings:
     # NORTHCODE_TORCH_COMPILE=0/1 when set, else on with CUDA graphs on a GPU (compiled_step.compile_requested)
     compile: bool | None = None
     seed: int | None = None  # draws the seeds of requests that give none; None: fresh entropy
+    num_threads: int | None = None  # torch's CPU threads, set at engine start; None: cpu_threads' default
     # the step watchdog (watchdog.py): a step (its prefill chunks, decode and sampling) that runs longer than
     # this ends its requests with an error and restarts the backend; None: no watchdog. 30 s is hundreds of
     # times a decode step of the full model even at 128K context, and longer than the megakernel's own 20 s
@@ -57,8 +76,10 @@ class EngineSettings:
             reject("max_batch", "must be <= 64")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             reject("gpu_memory_fraction", "must be in (0, 1]")
-        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages <= 0):
-            reject("num_pages", "must be a positive integer or None")
+        for name in ("num_pages", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                reject(name, "must be a positive integer or None")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             reject("max_model_len", "must be an integer >= 2 or None")
         for name in ("step_timeout_s", "first_step_timeout_s", "hang_grace_s"):
