@@ -23,9 +23,10 @@ noise derived from (seed, n) only (see sampling.noise_seed).
 Optional: `warm_up()`, called once before the first request (graph capture, kernel builds).
 Construction (backend_choice.build_backend, which also decides auto): `Backend(config, weights, num_pages,
 page_size, max_batch, max_pages_per_seq, cuda_graphs=...)`; the weights are the canonical dict on the
-target device. After a step that hung or raised, the engine drops its backend and builds a new one the
-same way (the old one's pools and graphs are released first), so a backend must not hold state that
-outlives it (a process-wide CUDA graph pool, a global kernel handle that a second instance re-inits).
+target device. After a step that hung or raised (unless one request's sampling was to blame: recovery.py),
+the engine drops its backend and builds a new one the same way (the old one is garbage-collected first: its
+pools may be most of the GPU), so a backend must not hold state that outlives it (a process-wide CUDA graph
+pool, a global kernel handle that a second instance re-inits) nor be referenced from anything global.
 Each call returns only when its results are on the host; the engine's watchdog (watchdog.py) relies on
 those waits releasing the GIL (torch's synchronising copies and ctypes calls do).
 Optional, for the pipelined step (pipeline.py): `launch_decode(batch, carry) -> PendingDecode` enqueues one
