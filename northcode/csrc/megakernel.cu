@@ -98,15 +98,6 @@ enum TaskType : int {
 // OPROJ_RING: o_proj tiles stream through a per-lane cp.async ring (task_oproj_ring), issued after the wait.
 enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8 };
 
-// NC_LEAN_FUSED (compile time, the `lean-fused` variant's build; 0: the default): the dispatcher copies the next
-// task's record while a task runs and reads the step's status only in waits that spin, and a MOE_UP task whose
-// arg3 is set goes on with the block's MoE down share (tasks.build_schedule(moe_fused=True)). Compile time, not a
-// flag: as run-time flags (day 3, session 2) the same code slowed the default's o_proj tasks from 4.4 to 7.3 us
-// a tile (3.26 -> 3.49 ms a step at B = 1) with no instruction of theirs changed; see docs/performance.md.
-#ifndef NC_LEAN_FUSED
-#define NC_LEAN_FUSED 0
-#endif
-
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
 
@@ -210,31 +201,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
 }
 // Copies of data read once a step (the MoE experts, the KV pages): the lines leave L2 first, so that what the L2
-// prefetch brought in (evict_last) survives the ~75 MB of experts a layer streams past it (run 52: B = 1 -1.6%,
-// B = 8 -1.9%; run 53, the KV pages too: -0.8% / -0.7% more). NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_EVICT_FIRST=0 or
-// NC_KV_EVICT_FIRST=0 builds the plain copy for comparison.
-#ifndef NC_MOE_EVICT_FIRST
-#define NC_MOE_EVICT_FIRST 1
-#endif
+// prefetch brought in (evict_last) survives the ~75 MB of experts a layer streams past it (1.6-1.9% of the step
+// for the experts, 0.7-0.8% more for the KV pages).
 __device__ __forceinline__ void cp_async16_evict_first(void* dst, const void* src) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("{ .reg .b64 policy;\n"
                "  createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
                "  cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy; }" ::"r"(d), "l"(src));
 }
-#if NC_MOE_EVICT_FIRST
-#define NC_MOE_COPY cp_async16_evict_first
-#else
-#define NC_MOE_COPY cp_async16
-#endif
-#ifndef NC_KV_EVICT_FIRST  // run 53: B = 1 -0.8%, B = 8 -0.7% on top of the experts'
-#define NC_KV_EVICT_FIRST 1
-#endif
-#if NC_KV_EVICT_FIRST
-#define NC_KV_COPY cp_async16_evict_first
-#else
-#define NC_KV_COPY cp_async16
-#endif
 
 __device__ __forceinline__ long long global_ns() {
   long long t;
@@ -255,30 +229,18 @@ __device__ void report(const Params& p, int code, int a, int b) {
   }
 }
 
-// Thread 0 spins until counters[idx] >= target (or the step aborted); the block then syncs. NC_LEAN_FUSED: returns,
-// in thread 0, whether the wait ended on the step's status (an abort or this wait's time-out) instead of the target.
-#if NC_LEAN_FUSED
-#define NC_WAIT_STOPPED stopped = true;
-__device__ bool wait_counter(const Params& p, int idx, int target) {
-  bool stopped = false;
-#else
-#define NC_WAIT_STOPPED
+// Thread 0 spins until counters[idx] >= target (or the step aborted); the block then syncs.
 __device__ void wait_counter(const Params& p, int idx, int target) {
-#endif
   if (threadIdx.x == 0 && idx >= 0) {
     const long long start = global_ns();
     while (load_acquire(p.counters + idx) < (unsigned)target) {
-      if (*(volatile int*)p.status != 0) { NC_WAIT_STOPPED break; }
-      if (global_ns() - start > p.timeout_ns) { report(p, NC_ERR_TIMEOUT, idx, target); NC_WAIT_STOPPED break; }
+      if (*(volatile int*)p.status != 0) break;
+      if (global_ns() - start > p.timeout_ns) { report(p, NC_ERR_TIMEOUT, idx, target); break; }
       __nanosleep(64);
     }
   }
   __syncthreads();
-#if NC_LEAN_FUSED
-  return stopped;
-#endif
 }
-#undef NC_WAIT_STOPPED
 
 // After the block's outputs are written: make them visible GPU-wide, then count one.
 __device__ void signal_counter(const Params& p, int idx) {
@@ -464,24 +426,6 @@ __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int
   return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
 }
 
-// NC_NORM_LOCAL (the norm-local variant's build; 0: the default): the residual x is two buffers by layer parity,
-// X[l % 2] what layer l reads and X[(l + 1) % 2] what it adds into, so that QKV and ROUTER tasks of sparse layers
-// after the first normalise x themselves and no NORM task sits at the layer's start (3.6 us with every other SM
-// waiting, run 84). Each layer's ROUTER tasks (DENSE_UP on dense layers) zero a slice of the next buffer, whose
-// last readers were the previous layer's; the MoE down atomics follow them through TOPK, o_proj waits for them;
-// o_proj's tiles, which cover every row once, add bf16(x read) with their own result (the in-place rounding's
-// base term). A layer's h then has no writer but its local normalisers, which share norm_rows_local's arithmetic:
-// all write the same bits.
-#ifndef NC_NORM_LOCAL
-#define NC_NORM_LOCAL 0
-#endif
-__device__ __forceinline__ float* x_in(const Params& p, int layer) {  // [8, H]: what layer `layer` reads
-  return NC_NORM_LOCAL ? p.x + (size_t)(layer & 1) * kMaxBatch * kHidden : p.x;
-}
-__device__ __forceinline__ float* x_out(const Params& p, int layer) {  // [8, H]: what it adds into
-  return NC_NORM_LOCAL ? p.x + (size_t)((layer + 1) & 1) * kMaxBatch * kHidden : p.x;
-}
-
 // ====  4. Task: NORM  ==========================================================================
 //   One row: on layer 0 the residual is the embedding of tokens[row]; on later layers it is rounded
 //   to bf16 (the reference keeps the residual in bf16). h = norm(x) * weight in bf16. arg1 != 0: the
@@ -492,7 +436,7 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
   float* scratch = reinterpret_cast<float*>(smem);
   const int row = t.arg[0], layer = t.layer;
   const bool final_norm = t.arg[1] != 0, embed = layer == 0 && !final_norm;
-  float* xr = x_in(p, layer) + (size_t)row * kHidden;
+  float* xr = p.x + (size_t)row * kHidden;
   float* trace = p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + row) * kHidden : nullptr;
   const bf16* weight = final_norm ? p.final_norm : layer_ptr(p, layer, LP_NORM);
   int token = 0;
@@ -506,7 +450,7 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
   float v[kPer], w[kPer];
   float sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {  // the weight's loads go out with x's (run 28: loaded after the sum, a round trip more)
+  for (int j = 0; j < kPer; ++j) {  // the weight's loads go out with x's (after the sum they cost a round trip)
     const int i = threadIdx.x + j * kThreads;
     w[j] = i < kHidden ? to_f(weight[i]) : 0.f;
   }
@@ -547,126 +491,6 @@ __device__ void task_norm(const Params& p, const Task& t, unsigned char* smem) {
   }
 #endif
 }
-
-#if NC_NORM_LOCAL
-// Every batch row of h, by a task that reads it (QKV, ROUTER: their arg says so) instead of NORM tasks. Each thread
-// owns float4 pieces tid, tid + kThreads, .. of every row (columns 4 piece .. 4 piece + 3): its pieces of x come into
-// shared memory by cp.async (the MoE ring's memory, free until the task's product: one round trip for all rows,
-// no registers a row long; a thread reads back only its own pieces, so no barrier before the arithmetic), its
-// weights into registers; then the whole block reduces every row at once (run 87: a warp a row took ~2.5 us at
-// B = 1, about what the NORM task it replaced took). All local normalisers use this arithmetic, so all write the
-// same bits (a layer with local norms has no NORM task to disagree with). `trace`: this task writes the layer's
-// trace rows (one task a layer does).
-constexpr int kNormPieces = (kHidden / 4 + kThreads - 1) / kThreads;  // float4 pieces of a row a thread owns
-static_assert(kHidden % 4 == 0, "NC_NORM_LOCAL: a thread takes float4 pieces of a row");
-static_assert(2 * kWarps * kMaxBatch <= sizeof(GemmSmem::red) / 4, "NC_NORM_LOCAL: the row sums in GemmSmem.red");
-
-// The block's sums of part[b] (each thread's share of row b), for b < kMaxBatch; `red`: [kWarps][kMaxBatch].
-__device__ __forceinline__ void block_sums_rows(float (&part)[kMaxBatch], float* red) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {
-    const float total = warp_sum(part[b]);
-    if (lane == 0) red[warp * kMaxBatch + b] = total;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {
-    part[b] = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) part[b] += red[w * kMaxBatch + b];
-  }
-}
-
-__device__ void norm_rows_local(const Params& p, int layer, bool trace, unsigned char* smem) {
-  float* xs = reinterpret_cast<float*>(smem + kMoeRingOffset);  // [batch][H]
-  float* red = reinterpret_cast<GemmSmem*>(smem)->red;          // [2][kWarps][kMaxBatch]
-  const float* x = x_in(p, layer);
-  const bf16* weight = layer_ptr(p, layer, LP_NORM);
-  const int batch = p.batch_size;
-  __syncthreads();  // the previous user of this memory is done
-  for (int b = 0; b < batch; ++b)
-#pragma unroll
-    for (int j = 0; j < kNormPieces; ++j) {
-      const int piece = threadIdx.x + j * kThreads;
-      if (piece < kHidden / 4) cp_async16(xs + (size_t)b * kHidden + 4 * piece, x + (size_t)b * kHidden + 4 * piece);
-    }
-  asm volatile("cp.async.commit_group;");
-  uint2 w4[kNormPieces];  // the weight's 4 columns of each piece (bf16)
-#pragma unroll
-  for (int j = 0; j < kNormPieces; ++j) {
-    const int piece = threadIdx.x + j * kThreads;
-    w4[j] = piece < kHidden / 4 ? __ldg(reinterpret_cast<const uint2*>(weight) + piece) : make_uint2(0, 0);
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");  // this thread's own pieces
-  // v(b, j, e): element e of piece j of row b, rounded to bf16 as the reference's residual
-  auto piece_of = [&](int b, int j) {
-    const float4 v = reinterpret_cast<const float4*>(xs + (size_t)b * kHidden)[threadIdx.x + j * kThreads];
-    return make_float4(bf16_round(v.x), bf16_round(v.y), bf16_round(v.z), bf16_round(v.w));
-  };
-  auto sum_pieces = [&](int b, auto term) {  // this thread's share of row b: term(piece) summed over its pieces
-    float total = 0.f;
-    if (b < batch)
-#pragma unroll
-      for (int j = 0; j < kNormPieces; ++j)
-        if (threadIdx.x + j * kThreads < kHidden / 4) total += term(piece_of(b, j));
-    return total;
-  };
-  float mean[kMaxBatch], inv[kMaxBatch];
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b)
-    mean[b] = sum_pieces(b, [](float4 v) {
-      return NC_RMS_NORM ? v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w : v.x + v.y + v.z + v.w;
-    });
-  block_sums_rows(mean, red);  // RMS: the sums of squares; else the sums
-#pragma unroll
-  for (int b = 0; b < kMaxBatch; ++b) {
-    if (NC_RMS_NORM) {
-      inv[b] = 1.0f / sqrtf(mean[b] / kHidden + p.norm_eps);
-      mean[b] = 0.f;
-    } else {
-      const float m = mean[b] /= kHidden;
-      inv[b] = sum_pieces(b, [m](float4 v) {
-        return (v.x - m) * (v.x - m) + (v.y - m) * (v.y - m) + (v.z - m) * (v.z - m) + (v.w - m) * (v.w - m);
-      });
-    }
-  }
-  if (!NC_RMS_NORM) {
-    block_sums_rows(inv, red + kWarps * kMaxBatch);
-#pragma unroll
-    for (int b = 0; b < kMaxBatch; ++b) inv[b] = 1.0f / sqrtf(inv[b] / kHidden + p.norm_eps);
-  }
-  for (int b = 0; b < batch; ++b) {
-    float* tr = trace && p.trace_x ? p.trace_x + ((size_t)layer * kMaxBatch + b) * kHidden : nullptr;
-#pragma unroll
-    for (int j = 0; j < kNormPieces; ++j) {
-      const int piece = threadIdx.x + j * kThreads;
-      if (piece >= kHidden / 4) continue;
-      const float4 v4 = piece_of(b, j);
-      const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-      const bf16* w = reinterpret_cast<const bf16*>(&w4[j]);
-      __align__(8) bf16 out[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {  // task_norm's formulas: RMS rounds the normalised value before the weight
-        const float g = to_f(w[e]);
-        out[e] = __float2bfloat16_rn(NC_RMS_NORM ? g * bf16_round(v[e] * inv[b]) : g * ((v[e] - mean[b]) * inv[b]));
-      }
-      *reinterpret_cast<uint2*>(p.h + (size_t)b * kHidden + 4 * piece) = *reinterpret_cast<const uint2*>(out);
-      if (tr) reinterpret_cast<float4*>(tr)[piece] = v4;
-    }
-  }
-  __syncthreads();  // h's rows are written (and the memory free again) before the block's product
-}
-
-// Slice `slice` of `slices` of the rows x_out(layer) gets (batch rows only): zeroed before the layer adds into it.
-__device__ void zero_x_slice(const Params& p, int layer, int slice, int slices) {
-  float* x = x_out(p, layer);
-  const long long n = (long long)p.batch_size * kHidden;
-  const int lo = (int)(n * slice / slices), hi = (int)(n * (slice + 1) / slices);
-  for (int i = lo + threadIdx.x; i < hi; i += kThreads) x[i] = 0.f;
-}
-#endif
-
 
 // ====  5. Task: QKV  ===========================================================================
 //   16-row tiles of the stacked [q; k; v] projection of h (K = H). Epilogue per (row r, batch b):
@@ -785,8 +609,8 @@ __device__ void load_kv_page(const Params& p, AttnSmem& s, int stage, int page, 
   for (int i = threadIdx.x; i < kPage * kChunks; i += kThreads) {
     const int o = i / kChunks, c = i % kChunks;
     const size_t src = (((size_t)page * kPage + o) * kKvHeads + kvh) * kHeadDim + c * 8;
-    NC_KV_COPY(&s.kv[stage].k[o][c * 8], p.k_pool + src);
-    NC_KV_COPY(&s.kv[stage].v[o][c * 8], p.v_pool + src);
+    cp_async16_evict_first(&s.kv[stage].k[o][c * 8], p.k_pool + src);
+    cp_async16_evict_first(&s.kv[stage].v[o][c * 8], p.v_pool + src);
   }
   asm volatile("cp.async.commit_group;");
 }
@@ -959,7 +783,7 @@ __device__ void combine_row(const Params& p, int b, int kvh, int nsplit, float* 
   const size_t base = (size_t)(b * kKvHeads + kvh) * kMaxSplits;
   __syncthreads();  // the previous user of the scratch is done
   // tid through asm volatile: the compiler cannot hoist this loop's per-thread indices out of the task loop, where
-  // (NC_RECORD_AHEAD with NC_MOE_ROWSEG) two of them spilled 8 bytes
+  // two of them spilled 8 bytes
   int tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
   for (int i = tid; i < nsplit * kGroup; i += kThreads) {  // all (split, head) pairs in one round trip
@@ -1000,27 +824,22 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
 // ====  8. Task: OPROJ  =========================================================================
 //   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
 //   branch adds into the same rows).
-// Adds o_proj's result for rows 16 tile .. + 15 into x_out; NC_NORM_LOCAL with `base`: bf16(x_in) with it.
-__device__ __forceinline__ void oproj_add(const Params& p, int layer, int tile, bool base, const float* out) {
+// Adds o_proj's result for rows 16 tile .. + 15 into x.
+__device__ __forceinline__ void oproj_add(const Params& p, int tile, const float* out) {
   const int i = threadIdx.x, r = i >> 3, b = i & 7;
-  if (i < 128 && b < p.batch_size) {
-    const size_t at = (size_t)b * kHidden + tile * 16 + r;
-    float add = bf16_round(out[i]);
-    if (NC_NORM_LOCAL && base) add += bf16_round(__ldcg(x_in(p, layer) + at));
-    atomicAdd(x_out(p, layer) + at, add);
-  }
+  if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(out[i]));
 }
 
-__device__ void oproj_tile(const Params& p, int layer, int tile, bool base, GemmSmem& s) {
+__device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
   const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
   const int valid[1] = {16};
   mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
-  oproj_add(p, layer, tile, base, s.out);
+  oproj_add(p, tile, s.out);
 }
 
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
-  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile)  // arg2: add x's base term (NC_NORM_LOCAL)
-    oproj_tile(p, t.layer, tile, t.arg[2] != 0, *reinterpret_cast<GemmSmem*>(smem));
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile)
+    oproj_tile(p, t.layer, tile, *reinterpret_cast<GemmSmem*>(smem));
 }
 
 // ====  9. Task: ROUTER  ========================================================================
@@ -1036,9 +855,6 @@ __device__ __forceinline__ void router_epilogue(const Params& p, int layer, int 
 
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-#if NC_NORM_LOCAL
-  if (t.arg[3] > 0) zero_x_slice(p, t.layer, t.arg[0], t.arg[3]);  // arg3: the layer's ROUTER tasks (one tile each)
-#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
     const int valid[1] = {min(16, kExperts - tile * 16)};
@@ -1051,13 +867,10 @@ __device__ void task_router(const Params& p, const Task& t, unsigned char* smem)
 //   Picks each row's top-k router logits (ties: lower expert id), weights them (sigmoid, optionally
 //   renormalised, or softmax over the k), then the block numbers the distinct experts in ascending id
 //   order ("slots") and writes moe_slots and slot_weight [slot][row]. Up to 2 pairs (row, expert) a thread
-//   (B <= 4 at E = 128), NC_TOPK_RANK: a thread per pair counts the keys that beat its own (its rank; rank < k:
-//   chosen, at place rank), all at once (run 90: TOPK 4.4 -> 2.9 us at B = 1, on the step's critical chain
-//   router -> top-k -> every MoE up); beyond (or NC_TOPK_RANK=0), a warp per row takes k warp-wide maxima in
-//   turn (ranks are B E^2 comparisons: +1 to +1.7 us at B = 8, runs 90-91).
-#ifndef NC_TOPK_RANK
-#define NC_TOPK_RANK 1
-#endif
+//   (B <= 4 at E = 128), a thread per pair counts the keys that beat its own (its rank; rank < k: chosen, at
+//   place rank), all at once (TOPK 4.4 -> 2.9 us at B = 1, on the step's critical chain router -> top-k ->
+//   every MoE up); beyond, a warp per row takes k warp-wide maxima in turn (ranks are B E^2 comparisons: they
+//   cost 1-1.7 us more at B = 8).
 struct TopkSmem {
   int expert[kMaxBatch][kTopK];
   float weight[kMaxBatch][kTopK];
@@ -1131,7 +944,7 @@ __device__ __forceinline__ unsigned topk_key(float v, int e) {
 // row's keys are broadcasts, four at a time). Sigmoid weights are computed by the chosen pairs' threads;
 // renormalising and softmax go over the k in place order (one thread a row), as topk_row does. Run 90: comparing
 // floats and ids took ~3.4 us more than topk_row at B = 8 (4 pairs a thread); keys make it one compare.
-static_assert(kExperts % 4 == 0, "NC_TOPK_RANK: a row's keys are read four at a time");
+static_assert(kExperts % 4 == 0, "top-k ranks: a row's keys are read four at a time");
 __device__ void topk_ranks(const Params& p, int layer, TopkSmem& s) {
   const int pairs = p.batch_size * kExperts;
   for (int i = threadIdx.x; i < pairs; i += kThreads) {
@@ -1165,12 +978,12 @@ __device__ void topk_ranks(const Params& p, int layer, TopkSmem& s) {
 }
 
 // The distinct experts get slots in ascending id order: one thread per expert, a ballot per warp and the
-// warps' counts before it give the slot (no serial pass over the experts: run 21's loops took ~6 us at B=1).
+// warps' counts before it give the slot (a serial pass over the experts took ~6 us at B = 1).
 __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
   TopkSmem& s = *reinterpret_cast<TopkSmem*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = threadIdx.x;
   if (e < kExperts) s.used[e] = 0;
-  if (NC_TOPK_RANK && p.batch_size * kExperts <= 2 * kThreads) {
+  if (p.batch_size * kExperts <= 2 * kThreads) {
     topk_ranks(p, t.layer, s);
   } else {
     __syncthreads();
@@ -1213,30 +1026,20 @@ __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f
 //   finish in order; MOE_UP's arg0 last blocks take none: combine_apart; or, where MOE_UP's arg2 names a
 //   counter, claimed from it in order a few tiles ahead, so that blocks leaving attention late take fewer),
 //   down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a slot, so its
-//   activation rows are loaded once per slot). NC_LEAN_FUSED builds: a MOE_UP whose arg3 is set goes on with
-//   the block's down share in the same task (moe_fused). Each lane streams its own pieces of the
+//   activation rows are loaded once per slot). Each lane streams its own pieces of the
 //   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
 //   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
 //   per SM across tile boundaries, and multiplies a step once its copy group is complete; the block
 //   meets only to reduce a tile's warps. Up: moe_act[slot][b] = bf16(silu(gate) * up), "slot done" += 1
 //   per tile (the slot is done at I/16). Down: waits for its slot, then x[b] += bf16(bf16(down . act) *
 //   weight[slot][b]) for the rows routed to that expert.
-#ifndef NC_MOE_STAGES  // 4 x 16 KB in flight per SM (runs 80-81: 6 until then; -D from NORTHCODE_MEGAKERNEL_TUNING)
-#define NC_MOE_STAGES 4
-#endif
-constexpr int kMoeStages = NC_MOE_STAGES;
-// NC_MOE_ROWSEG (1 since run 81; 0 for the old order): an up step reads one matrix's 16 rows x 1 KB (512 columns:
-// chunks 16s + 2w and 16s + 2w + 1 for warp w at the matrix's step s) instead of both matrices' 16 rows x 512 B, so
-// that a step's pieces of each row are twice as long (tools/probes/sm_stream_probe.cu: rows1k 4.52 TB/s against
-// frag's 3.51 on 132 SMs, run 75); the same four 16-B copies per lane, the same products. Needs H a multiple of 512
-// (the tiny geometries keep the old order).
-#ifndef NC_MOE_ROWSEG
-#define NC_MOE_ROWSEG 1
-#endif
-#ifndef NC_MOE_PACKED  // an experiment's -D: the experts repacked at load (moe_issue says how)
-#define NC_MOE_PACKED 0
-#endif
-constexpr bool kUpRowSeg = NC_MOE_ROWSEG && !NC_MOE_PACKED && kHidden % 512 == 0;
+constexpr int kMoeStages = 4;  // 4 x 16 KB in flight per SM (6 took as long; more slowed o_proj beside the stream)
+// kUpRowSeg: an up step reads one matrix's 16 rows x 1 KB (512 columns: chunks 16s + 2w and 16s + 2w + 1 for warp
+// w at the matrix's step s) instead of both matrices' 16 rows x 512 B, so that a step's pieces of each row are
+// twice as long: with every SM streaming, 1-KB pieces of 32 rows read at 4.5 TB/s, 512-B pieces at 3.5 (DRAM pages
+// opened for less); the same four 16-B copies per lane, the same products. Needs H a multiple of 512 (the tiny
+// geometry keeps the fragment order).
+constexpr bool kUpRowSeg = kHidden % 512 == 0;
 // kUpRowSeg: steps per matrix of an up tile (4 at H = 2048; 1 where H < 512 keeps the unused index math defined)
 constexpr int kRowSegSteps = kHidden >= 512 ? kHidden / 512 : 1;
 // The k-chunk of this warp's j-th activation piece of an up tile.
@@ -1247,26 +1050,18 @@ constexpr int kUpTilesPerSlot = kExpertWidth / 16;
 constexpr int kDownTilesPerSlot = kHidden / 32;
 constexpr int kUpSteps = (kHidden / 32 + kWarps - 1) / kWarps;         // k-chunks per warp of an up tile
 constexpr int kDownSteps = (kExpertWidth / 32 + kWarps - 1) / kWarps;  // ... of a down tile
-// NC_MOE_DOWNROWS (1 since run 81; 0 for the old order): a down step is one matrix's 16 whole rows (24 KB
-// contiguous at I = 768: warp w's chunks 3w .. 3w + 2, six 16-B copies per lane), two steps a tile, in 24-KB slots
-// (two in the ring's 64 KB at 4 stages), instead of both matrices' 16 rows x 512 B: the down stream reads as the
-// packed experts did (runs 70-74).
-// Needs I / 32 a multiple of the warps (the tiny geometries keep the old order).
-#ifndef NC_MOE_DOWNROWS
-#define NC_MOE_DOWNROWS 1
-#endif
-constexpr bool kDownRows = NC_MOE_DOWNROWS && !NC_MOE_PACKED && (kExpertWidth / 32) % kWarps == 0;
+// kDownRows: a down step is one matrix's 16 whole rows (24 KB contiguous at I = 768: warp w's chunks 3w .. 3w + 2,
+// six 16-B copies per lane), two steps a tile, in 24-KB slots (two in the ring's 64 KB), instead of both matrices'
+// 16 rows x 512 B. Needs I / 32 a multiple of the warps (the tiny geometry keeps the fragment order).
+constexpr bool kDownRows = (kExpertWidth / 32) % kWarps == 0;
 constexpr int kDownRowPieces = 2 * kDownSteps;  // kDownRows: 16-B copies per lane a step (rows g, g + 8 x chunks)
 constexpr int kDownRowStages = kMoeStages * 4 / kDownRowPieces;  // kDownRows: slots in the ring's memory
-static_assert(!kDownRows || kDownRowStages >= 2, "NC_MOE_DOWNROWS: the ring holds fewer than two down steps");
-// NC_MOE_PACKED reads its own layout: both orders above are the checkpoint's and stand aside for it
+static_assert(!kDownRows || kDownRowStages >= 2, "MoE down rows: the ring holds fewer than two down steps");
 // The k-chunk of this warp's j-th activation piece of a down tile.
 __device__ __forceinline__ int down_chunk(int j, int warp) {
   return kDownRows ? kDownSteps * warp + j : warp + kWarps * j;
 }
 constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
-static_assert(!NC_NORM_LOCAL || (size_t)kMaxBatch * kHidden * 4 <= (size_t)kMoeStages * 4 * kThreads * 16,
-              "NC_NORM_LOCAL: norm_rows_local's rows of x in the MoE ring's memory");
 
 enum StreamKind : int { STREAM_DOWN = 0, STREAM_UP = 1 };
 struct MoeStream {  // one lane's view of a task's weight stream: tile i of the block's list, step j of it
@@ -1312,41 +1107,29 @@ __device__ __forceinline__ void moe_issue(const MoeStream& st, int q) {
     const bf16 *wa, *wb;
     moe_tile_rows(st, tile, wa, wb);
     uint4* slot = st.ring + (size_t)(q % kMoeStages) * 4 * kThreads + threadIdx.x;
-#if NC_STREAM_PATTERN  // an experiment's -D (NORTHCODE_MEGAKERNEL_TUNING; moe_stream_bench only: the products are
-    // wrong): step j of the tile reads 8 KB of each matrix contiguously (a warp's copy: 512 B in a row) instead of
-    // rows g, g+8 at the warp's chunks (8 pieces of 64 B, 2 KB apart per copy): does the access pattern bound the
-    // stream?
-    (void)c;
-    const size_t lo = (size_t)(q % st.steps) * 4096 + 8 * threadIdx.x, hi = lo + 2048;
-#elif NC_MOE_PACKED  // an experiment's -D: the experts repacked at load (kernel.py pack_row_blocks): in each
-    // 16-row block, 32-column chunk c's 16 rows x 64 B are contiguous, so a warp copy reads 512 contiguous bytes
-    // and a ring step 2 x 8 KB (the probe: fragment order 3.3 TB/s on 132 SMs, contiguous 4.5)
-    const size_t lo = ((size_t)c * 16 + g) * 32 + 8 * t, hi = lo + 256;
-#else
     const size_t lo = (size_t)g * K + c * 32 + 8 * t, hi = lo + (size_t)8 * K;
-#endif
     if (kDownRows && st.kind == STREAM_DOWN) {  // step j: matrix j's 16 rows, chunks down_chunk(0 .. kDownSteps)
       const bf16* w = q % st.steps ? wb : wa;
       uint4* row_slot = st.ring + (size_t)(q % kDownRowStages) * kDownRowPieces * kThreads + threadIdx.x;
 #pragma unroll
       for (int u = 0; u < kDownSteps; ++u) {
         const size_t lo_u = (size_t)g * K + down_chunk(u, warp) * 32 + 8 * t;
-        NC_MOE_COPY(row_slot + 2 * u * kThreads, w + lo_u);
-        NC_MOE_COPY(row_slot + (2 * u + 1) * kThreads, w + lo_u + (size_t)8 * K);
+        cp_async16_evict_first(row_slot + 2 * u * kThreads, w + lo_u);
+        cp_async16_evict_first(row_slot + (2 * u + 1) * kThreads, w + lo_u + (size_t)8 * K);
       }
     } else if (kUpRowSeg && st.kind == STREAM_UP) {  // step j: matrix j / S, chunks up_chunk(2 (j % S)) and the next
       const int j = q % st.steps;
       const bf16* w = j < kRowSegSteps ? wa : wb;
       const size_t lo0 = (size_t)g * K + up_chunk(2 * (j % kRowSegSteps), warp) * 32 + 8 * t, hi0 = lo0 + (size_t)8 * K;
-      NC_MOE_COPY(slot, w + lo0);
-      NC_MOE_COPY(slot + kThreads, w + hi0);
-      NC_MOE_COPY(slot + 2 * kThreads, w + lo0 + 32);
-      NC_MOE_COPY(slot + 3 * kThreads, w + hi0 + 32);
+      cp_async16_evict_first(slot, w + lo0);
+      cp_async16_evict_first(slot + kThreads, w + hi0);
+      cp_async16_evict_first(slot + 2 * kThreads, w + lo0 + 32);
+      cp_async16_evict_first(slot + 3 * kThreads, w + hi0 + 32);
     } else {
-      NC_MOE_COPY(slot, wa + lo);
-      NC_MOE_COPY(slot + kThreads, wa + hi);
-      NC_MOE_COPY(slot + 2 * kThreads, wb + lo);
-      NC_MOE_COPY(slot + 3 * kThreads, wb + hi);
+      cp_async16_evict_first(slot, wa + lo);
+      cp_async16_evict_first(slot + kThreads, wa + hi);
+      cp_async16_evict_first(slot + 2 * kThreads, wb + lo);
+      cp_async16_evict_first(slot + 3 * kThreads, wb + hi);
     }
   }
   asm volatile("cp.async.commit_group;");
@@ -1500,7 +1283,7 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
     reduce_warps<2>(acc, s.red, s.out);
     const int n = threadIdx.x >> 7, r = (threadIdx.x >> 3) & 15, b = threadIdx.x & 7;
     if (weight != 0.f)
-      atomicAdd(x_out(p, t.layer) + (size_t)b * kHidden + row0 + n * 16 + r,
+      atomicAdd(p.x + (size_t)b * kHidden + row0 + n * 16 + r,
                 bf16_round(bf16_round(s.out[threadIdx.x]) * weight));
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -1564,24 +1347,20 @@ __device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* s
       oproj_issue(w, ring, j + kOprojStages);
     }
     reduce_warps<1>(acc, s.red, s.out);
-    oproj_add(p, t.layer, tile, t.arg[2] != 0, s.out);
+    oproj_add(p, tile, s.out);
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the task (the next reuses the memory)
   __syncthreads();
 }
 
-// NC_ROUTER_RING (0: the router-registers variant's build): a ROUTER task of one tile copies the tile's whole
-// weight (16 rows x H, 64 KB at H = 2048) into the ring's memory by cp.async before its dependency wait
-// (router_ring_prologue, from the dispatcher, as o_proj's first steps), so that once h is ready only h's pieces
-// make a round trip. The router sits on the step's critical chain (NORM -> ROUTER -> TOPK -> every MoE up): run
-// 89's ROUTER took 5.8 us for its 64 KB, two round trips of mma_tiles' loads and the signal.
-#ifndef NC_ROUTER_RING  // 1 since run 91 (ROUTER 5.9 -> 3.0 us, B = 1 -0.5% on top of TOPK's ranks)
-#define NC_ROUTER_RING 1
-#endif
+// A ROUTER task of one tile copies the tile's whole weight (16 rows x H, 64 KB at H = 2048) into the ring's memory
+// by cp.async before its dependency wait (router_ring_prologue, from the dispatcher, as o_proj's first steps), so
+// that once h is ready only h's pieces make a round trip. The router sits on the step's critical chain (NORM ->
+// ROUTER -> TOPK -> every MoE up): through mma_tiles' loads (two round trips and the signal) it took 5.9 us, 3.0
+// this way.
 constexpr int kRouterSteps = (kHidden / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (8 at H = 2048)
-static_assert(!NC_ROUTER_RING || (size_t)kRouterSteps * 2 * kThreads * 16 <= (size_t)kMoeStages * 4 * kThreads * 16,
-              "NC_ROUTER_RING: a router tile in the ring's memory");
-static_assert(!(NC_ROUTER_RING && NC_NORM_LOCAL), "NC_ROUTER_RING: not with NC_NORM_LOCAL's ROUTER tasks (0 there)");
+static_assert((size_t)kRouterSteps * 2 * kThreads * 16 <= (size_t)kMoeStages * 4 * kThreads * 16,
+              "a router tile in the ring's memory");
 
 // Step j of this lane: rows g and g + 8 (clamped to the tile's valid rows, as mma_tiles), k-chunk warp + 8 j.
 __device__ void router_ring_prologue(const Params& p, const Task& t, unsigned char* smem) {
@@ -1628,9 +1407,6 @@ __device__ void task_router_ring(const Params& p, const Task& t, unsigned char* 
 //   (32 rows of H, K = I_dense) -> x += bf16(result).
 __device__ void task_dense_up(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-#if NC_NORM_LOCAL
-  if (t.arg[2] > 0) zero_x_slice(p, t.layer, t.arg[0], t.arg[2]);  // arg2: the layer's DENSE_UP tasks (one tile each)
-#endif
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const bf16* tiles[2] = {layer_ptr(p, t.layer, LP_GATE) + (size_t)tile * 16 * kHidden,
                             layer_ptr(p, t.layer, LP_UP) + (size_t)tile * 16 * kHidden};
@@ -1653,7 +1429,7 @@ __device__ void task_dense_down(const Params& p, const Task& t, unsigned char* s
     mma_tiles<2>(tiles, valid, kDenseWidth, p.dense_act, kDenseWidth, p.batch_size, s.red, s.out);
     const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
     if (b < p.batch_size)
-      atomicAdd(x_out(p, t.layer) + (size_t)b * kHidden + tile * 32 + n * 16 + r, bf16_round(s.out[i]));
+      atomicAdd(p.x + (size_t)b * kHidden + tile * 32 + n * 16 + r, bf16_round(s.out[i]));
   }
 }
 
@@ -1808,15 +1584,10 @@ __device__ void task_sample(const Params& p, const Task& t, unsigned char* smem)
 // ====  15. Dispatcher  =========================================================================
 //   One block per SM walks tasks[task_start[block] .. task_start[block+1]): prefetch the task's
 //   first weights into L2, wait, compute, signal. An aborted step (status != 0) skips the compute.
-#ifndef NC_QKV_PREFETCH  // an experiment's -D: 0 leaves the QKV tasks' first tile out of the L2 prefetch, so that
-// NORM's loads and stores at the layer's start (3-4 us on one block while every other block waits) do not queue
-// behind ~8 MB of prefetches (runs 49 and 51 found that window full of them)
-#define NC_QKV_PREFETCH 1
-#endif
 __device__ void prefetch_task_weights(const Params& p, const Task& t) {
   const bf16* w = nullptr;
   size_t bytes = 0;
-  if (NC_QKV_PREFETCH && t.type == TASK_QKV) {
+  if (t.type == TASK_QKV) {
     const int R = t.arg[0] * 16;
     w = R < kQSize ? layer_ptr(p, t.layer, LP_Q) + (size_t)R * kHidden
       : R < kQSize + kKvSize ? layer_ptr(p, t.layer, LP_K) + (size_t)(R - kQSize) * kHidden
@@ -1847,20 +1618,10 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
     prefetch_l2(reinterpret_cast<const char*>(w) + off);
 }
 
-#ifndef NC_STATUS_EARLY  // 1 since run 81 (0: the status read after the wait); the dispatcher says what it does
-#define NC_STATUS_EARLY 1
-#endif
-#ifndef NC_RECORD_AHEAD  // 1 since run 81 (0: the record loaded at the task's start): the lean-fused build's copy of
-// the next record while a task runs, alone (run 65: ~0.8 us from one task's end to the next one's start, the
-// record's load), the record still read into registers (run 37: reading it from shared memory made o_proj slow)
-#define NC_RECORD_AHEAD 1
-#endif
-#if NC_LEAN_FUSED || NC_RECORD_AHEAD
 // The next task's record is copied into the other half of a two-record buffer while this task runs (cp.async by 4
 // threads; tasks drain their own copies, so the record's group is the only one left at the loop's top) instead
-// of being loaded when the task starts. NC_LEAN_FUSED also: a task that was skipped because the step aborted does
-// not signal, so a wait that is met means its producers ran and the status is read only by waits that spin. Run
-// 33's profile: ~0.7 us from one task's end to the next one's start (the record's load), 0.6-1.6 us start to "met".
+// of being loaded when the task starts (that load was ~0.8 us from one task's end to the next one's start). The
+// task then copies it into registers: tasks that read their record from shared memory ran o_proj slower.
 __device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* slot) {
   if (threadIdx.x < 4) {
     cp_async16(reinterpret_cast<unsigned char*>(slot) + 16 * threadIdx.x,
@@ -1868,68 +1629,39 @@ __device__ __forceinline__ void copy_task_record(const Params& p, int i, Task* s
     asm volatile("cp.async.commit_group;");
   }
 }
-#endif
 
 __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int aborted;  // one thread reads the status, so that the whole block takes the same branch
-#if NC_LEAN_FUSED || NC_RECORD_AHEAD
   __shared__ __align__(16) Task task[2];  // this task's record and the next one's
   if (p.task_start[blockIdx.x] < p.task_start[blockIdx.x + 1])
     copy_task_record(p, p.task_start[blockIdx.x], &task[p.task_start[blockIdx.x] & 1]);
   for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
     if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");  // this task's record
     __syncthreads();
-#if NC_LEAN_FUSED
-    const Task& t = task[i & 1];  // read where used (a register copy spills 20 bytes in this build)
-#else
-    const Task t = task[i & 1];  // NC_RECORD_AHEAD: into registers, as the default's record
-#endif
+    const Task t = task[i & 1];
     if (i + 1 < p.task_start[blockIdx.x + 1]) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read above, by all
-#else
-  __shared__ Task task;
-  for (int i = p.task_start[blockIdx.x]; i < p.task_start[blockIdx.x + 1]; ++i) {
-    if (threadIdx.x < 16) reinterpret_cast<int*>(&task)[threadIdx.x] = reinterpret_cast<const int*>(p.tasks + i)[threadIdx.x];
-    __syncthreads();
-    const Task t = task;
-#endif
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
     if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
     const bool oproj_ring = t.type == TASK_OPROJ && (p.flags & NC_FLAG_OPROJ_RING);
-    const bool router_ring = NC_ROUTER_RING && t.type == TASK_ROUTER && t.arg[1] == 1;
+    const bool router_ring = t.type == TASK_ROUTER && t.arg[1] == 1;
     if (oproj_ring) oproj_ring_prologue(p, t, smem);  // o_proj's ring: its first loads before the wait
     else if (router_ring) router_ring_prologue(p, t, smem);  // the router tile's weight, whole, before the wait
     else if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
     if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
       prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
-#if NC_LEAN_FUSED
-    bool stopped = wait_counter(p, t.wait[0], t.target[0]);
-    stopped |= wait_counter(p, t.wait[1], t.target[1]);
-    if (threadIdx.x == 0) aborted = stopped;
-#elif NC_STATUS_EARLY  // (the default since run 81) the status load goes out with the wait's first counter load instead
-    // of after it (one round trip less per task where the dependency is met, ~0.7 us: run 65). A failure that comes
-    // during the wait then stops the block's next task, not this one, which runs on whatever its inputs hold
-    // (indices stay in range: expert ids and slot counts are the previous step's or the new ones, pages are checked)
+    // The status load goes out with the wait's first counter load instead of after it (one round trip less per task
+    // where the dependency is met, ~0.7 us). A failure that comes during the wait then stops the block's next task,
+    // not this one, which runs on whatever its inputs hold (indices stay in range: expert ids and slot counts are
+    // the previous step's or the new ones, pages are checked).
     int status = 0;
     if (threadIdx.x == 0) status = *(volatile int*)p.status;
     wait_counter(p, t.wait[0], t.target[0]);
     wait_counter(p, t.wait[1], t.target[1]);
     if (threadIdx.x == 0) aborted = status;
-#else
-    wait_counter(p, t.wait[0], t.target[0]);
-    wait_counter(p, t.wait[1], t.target[1]);
-    if (threadIdx.x == 0) aborted = *(volatile int*)p.status;
-#endif
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
     __syncthreads();
     if (!aborted) {
-#if NC_NORM_LOCAL  // QKV (arg3) and ROUTER (arg2) tasks of layers without NORM normalise x first; the profile's "met"
-      // is then the norm's end, so that a task's busy time is its product's alone
-      if ((t.type == TASK_QKV && t.arg[3]) || (t.type == TASK_ROUTER && t.arg[2])) {
-        norm_rows_local(p, t.layer, t.type == TASK_ROUTER && t.arg[0] == 0, smem);
-        if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 1] = global_ns();
-      }
-#endif
       switch (t.type) {
         case TASK_STOP: break;
         case TASK_NORM: task_norm(p, t, smem); break;
@@ -1939,14 +1671,7 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
         case TASK_OPROJ: if (p.flags & NC_FLAG_OPROJ_RING) task_oproj_ring(p, t, smem); else task_oproj(p, t, smem); break;
         case TASK_ROUTER: if (router_ring) task_router_ring(p, t, smem); else task_router(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
-#if NC_LEAN_FUSED
-        case TASK_MOE_UP:  // arg3 != 0: the block's down share follows in the same task (moe_fused)
-          task_moe_up(p, t, smem);
-          if (!t.arg[3]) break;
-          [[fallthrough]];  // one call site of the down share: inlined once
-#else
         case TASK_MOE_UP: task_moe_up(p, t, smem); break;
-#endif
         case TASK_MOE_DOWN: task_moe_down(p, t, smem); break;
         case TASK_DENSE_UP: task_dense_up(p, t, smem); break;
         case TASK_DENSE_DOWN: task_dense_down(p, t, smem); break;
@@ -1957,16 +1682,9 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     } else {
       asm volatile("cp.async.wait_group 0;" ::: "memory");  // copies issued before the wait (a skipped task's)
     }
-#if NC_LEAN_FUSED
-    if (!aborted) signal_counter(p, t.signal);  // a skipped task leaves its consumers to the status
-#else
     signal_counter(p, t.signal);
-#endif
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i + 2] = global_ns();
   }
-#if NC_LEAN_FUSED
-  if (threadIdx.x < 4) asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
 }
 
 // Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.
