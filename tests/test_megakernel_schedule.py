@@ -1,8 +1,8 @@
 """CPU: the megakernel's task lists. Simulating the per-block lists in order (a task runs once its
-counters reach their targets) must finish every list, for every batch size, split count and variant
-(megakernel.VARIANTS): no deadlock, every target reachable and exactly reached, every decode-step task
-type of the variant present. build_schedule's tensor path must give exactly what the list-based reference
-(make_task per task, place_waves, flatten; the implementation it replaced) gives, for every configuration."""
+counters reach their targets) must finish every list, for every batch size and split count: no deadlock,
+every target reachable and exactly reached, every decode-step task type present. build_schedule's tensor
+path must give exactly what the list-based reference (make_task per task, place_waves, flatten; the
+implementation it replaced) gives, for every configuration."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from northcode.config import ModelConfig
-from northcode.megakernel.kernel import (TASK_WORDS, VARIANTS, WAVE_ORDERS, Schedule, TaskType, attention_splits,
-                                         build_schedule, flatten, make_task, place_waves)
-from northcode.megakernel.tasks import _Counters, one_round_q_tiles
+from northcode.megakernel.kernel import (TASK_WORDS, Schedule, TaskType, attention_splits, build_schedule, flatten,
+                                         make_task, place_waves)
+from northcode.megakernel.tasks import _Counters
 from northcode.model.synthetic import preset_config
 
 
@@ -51,15 +51,13 @@ def simulate(schedule, duration_ns=lambda task: 1000) -> tuple[dict[int, int], l
 
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, variant: str) -> None:
-    """Every variant's lists (bench --variants) finish in the simulation with exact targets, at 132 blocks
-    over 8K context and 7 blocks over 100 tokens."""
+def test_schedules_complete_and_targets_are_exact(preset: str, batch: int) -> None:
+    """The lists finish in the simulation with exact targets, at 132 blocks over 8K context and 7 blocks over
+    100 tokens."""
     config = preset_config(preset, 1003 if preset == "tiny" else None)
-    v = VARIANTS[variant]
     for blocks, context in ((132, 8192), (7, 100)):
         splits = attention_splits(config, batch, blocks, context)
-        schedule = build_schedule(config, batch, blocks, splits, **v.schedule_options())
+        schedule = build_schedule(config, batch, blocks, splits)
         assert schedule.tasks.shape[1] == TASK_WORDS
         counters, _ = simulate(schedule)
         tasks = schedule.tasks.tolist()
@@ -67,9 +65,7 @@ def test_schedules_complete_and_targets_are_exact(preset: str, batch: int, varia
             for idx, target in ((t[8], t[10]), (t[9], t[11])):
                 if idx >= 0:
                     assert counters.get(idx, 0) == target, f"{TaskType(t[0]).name} waits for {target}, gets {counters.get(idx, 0)}"
-        kinds = {TaskType(t[0]) for t in tasks}
-        absent = {TaskType.STOP} | ({TaskType.MOE_DOWN} if v.lean_fused else set())
-        assert kinds == set(TaskType) - absent
+        assert {TaskType(t[0]) for t in tasks} == set(TaskType) - {TaskType.STOP}
         assert max(max(t[8], t[9], t[12]) for t in tasks) < schedule.num_counters
 
 
@@ -80,7 +76,6 @@ def test_splits_cover_half_the_sms_up_to_8k_but_never_exceed_pages() -> None:
     assert attention_splits(config, 8, 132, 8192)[full] == 2
     assert attention_splits(config, 1, 132, 32768)[full] == 32  # a longer span: all of them
     assert set(attention_splits(config, 1, 132, 32768)) == {16, 32}  # the sliding layers' spans stay short
-    assert attention_splits(config, 1, 132, 8192, max_splits=4)[0] == 4  # a variant's cap
     assert attention_splits(config, 1, 528, 8192)[0] == 32  # never past the kernel's MAX_SPLITS
     assert max(attention_splits(config, 1, 132, 10)) == 2
 
@@ -94,19 +89,20 @@ def test_place_waves_round_robin_and_each() -> None:
 
 
 def test_last_wave_takes_the_last_blocks_and_leaves_the_cursor() -> None:
-    """combine_apart's placement: a "last" wave's tasks go to the last blocks in order; the next plain wave
+    """COMBINE_APART_MAX's placement: a "last" wave's tasks go to the last blocks in order; the next plain wave
     goes on from where the one before the "last" wave stopped."""
     a, b, c = (make_task(TaskType.NORM, 0, (i,)) for i in range(3))
     lists = place_waves([[a] * 2, ("last", [b, c]), [a]], 5)
     assert lists == [[a], [a], [a], [b], [c]]
     config = preset_config("north-mini-code")
-    schedule = build_schedule(config, 1, 132, attention_splits(config, 1, 132, 8192), combine_apart=True)
+    schedule = build_schedule(config, 1, 132, attention_splits(config, 1, 132, 8192))
     tasks, starts = schedule.tasks.tolist(), schedule.task_start.tolist()
     owner = [blk for blk in range(132) for _ in range(starts[blk], starts[blk + 1])]
     combine_blocks = {owner[i] for i, t in enumerate(tasks) if t[0] == TaskType.COMBINE and t[1] > 0}
     assert combine_blocks == {128, 129, 130, 131}
-    assert {(t[2], t[4]) for t in tasks if t[0] == TaskType.MOE_UP} == {(4, -1)}  # 4 blocks take no up tile; static
-    eight = build_schedule(config, 8, 132, attention_splits(config, 8, 132, 8192), combine_apart=True)
+    assert {t[2] for t in tasks if t[0] == TaskType.MOE_UP} == {4}  # 4 blocks take no up tile
+    assert min(t[4] for t in tasks if t[0] == TaskType.MOE_UP) >= 0  # up tiles are claimed from a counter
+    eight = build_schedule(config, 8, 132, attention_splits(config, 8, 132, 8192))
     assert {t[2] for t in eight.tasks.tolist() if t[0] == TaskType.MOE_UP} == {0}  # 32 combines: round-robin
 
 
@@ -135,16 +131,6 @@ def test_profile_summary_accounts_waits_busy_time_and_layers() -> None:
     assert summary["busy_fraction"] == round(9.0 / (11.0 * 2), 3)
 
 
-def test_variant_names_are_checked(monkeypatch) -> None:
-    from northcode.megakernel.kernel import variant_from_env
-
-    monkeypatch.setenv("NC_VARIANT", "no-kv-preload")
-    assert variant_from_env() == "no-kv-preload"
-    monkeypatch.setenv("NC_VARIANT", "fastest")
-    with pytest.raises(ValueError, match="NC_VARIANT='fastest'.*no-kv-preload"):
-        variant_from_env()
-
-
 def test_a_growing_context_asks_for_few_task_lists() -> None:
     """Task lists are cached per split tuple and cost about 10 ms of Python and an upload each: a sequence
     growing from 1 to 5,000 tokens must need only a handful (split counts are powers of two until they reach the SMs' share)."""
@@ -154,10 +140,8 @@ def test_a_growing_context_asks_for_few_task_lists() -> None:
         assert len(seen) <= 7, f"batch {batch}: {len(seen)} different task lists"
 
 
-def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, order: str,
-                     qkv_tiles: int, counters: _Counters, previous: tuple, waves: list, combine_apart: bool,
-                     up_claims: bool, moe_fused: bool = False, q_tiles: int | None = None,
-                     attention_blocks: int = 0) -> tuple:
+def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, num_splits: int, counters: _Counters,
+                     previous: tuple, waves: list) -> tuple:
     """One layer of the reference: appends its waves (lists of make_task records) and returns what the next
     norm waits on."""
     kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
@@ -168,9 +152,8 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
     for g in range(kvh):
         for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
                              ((c.q_size + c.kv_size + g * d) // 16, d // 16)):
-            per_task = (q_tiles or qkv_tiles) if first < c.q_size // 16 else qkv_tiles
-            for tile in range(first, first + count, per_task):
-                qkv.append(make_task(TaskType.QKV, layer, (tile, min(per_task, first + count - tile), int(c.uses_rope(layer))),
+            for tile in range(first, first + count, 2):  # two tiles a task
+                qkv.append(make_task(TaskType.QKV, layer, (tile, min(2, first + count - tile), int(c.uses_rope(layer))),
                                      ((norm_done, batch),), qkv_done + g))
                 per_group[g] += 1
     qkv_wave = len(waves)
@@ -193,40 +176,27 @@ def _reference_layer(c: ModelConfig, layer: int, batch: int, num_blocks: int, nu
         return (oproj_done, len(oproj)), (mlp_done, down_tiles)
     router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
-    claim = counters.alloc() if up_claims else -1
+    claim = counters.alloc()
     router_tiles = math.ceil(c.num_experts / 16)
     moe_waits = ((topk_done, 1),)
-    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t, 1), ((norm_done, batch),),
-                                                     router_done) for t in range(router_tiles)]),
+    waves[qkv_wave:qkv_wave] = [("apart", [make_task(TaskType.ROUTER, layer, (t,), ((norm_done, batch),), router_done)
+                                           for t in range(router_tiles)]),
                                 ("apart", [make_task(TaskType.TOPK, layer, (), ((router_done, router_tiles),),
                                                      topk_done)])]
-    apart = batch * kvh if combine_apart and batch * kvh <= 8 and 2 * batch * kvh <= num_blocks else 0
+    apart = batch * kvh if batch * kvh <= 8 and 2 * batch * kvh <= num_blocks else 0
     if apart:
         combine = ("last", combine)
-    tail = min(attention_blocks, num_blocks // 2)
-    if tail:
-        attn = ("tail", tail, attn)
-    no_up = max(apart, tail)
-    if moe_fused:
-        waves += [attn, combine, ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim, 1),
-                                                    moe_waits, mlp_done)), oproj]
-        return (oproj_done, len(oproj)), (mlp_done, num_blocks)
-    up = ("each", make_task(TaskType.MOE_UP, layer, (no_up, slot_done, claim), moe_waits))
+    up = ("each", make_task(TaskType.MOE_UP, layer, (apart, slot_done, claim), moe_waits))
     down = ("each", make_task(TaskType.MOE_DOWN, layer, (0, slot_done), moe_waits, mlp_done))
-    waves += {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
-              "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
+    waves += [attn, up, combine, down, oproj]
     return (oproj_done, len(oproj)), (mlp_done, num_blocks)
 
 
-def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                              order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                              up_claims: bool = False, moe_fused: bool = False, q_tiles: int | None = None,
-                              attention_blocks: int = 0) -> Schedule:
+def _build_schedule_reference(c: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...]) -> Schedule:
     """build_schedule as it was before the tensor path: make_task per task, place_waves, flatten."""
     counters, waves, previous = _Counters(), [], ()
     for layer in range(c.num_hidden_layers):
-        previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], order, qkv_tiles, counters, previous, waves,
-                                    combine_apart, up_claims, moe_fused, q_tiles, attention_blocks)
+        previous = _reference_layer(c, layer, batch, num_blocks, splits[layer], counters, previous, waves)
     final_done, lm_done = counters.alloc(), counters.alloc()
     waves.append([make_task(TaskType.NORM, c.num_hidden_layers, (b, 1), previous, final_done) for b in range(batch)])
     lm_tiles = math.ceil(c.vocab_size / 32)
@@ -256,34 +226,21 @@ def _assert_same(got: Schedule, want: Schedule, where: str) -> None:
 
 
 @pytest.mark.parametrize("preset", ["tiny", "north-mini-code", "north-mini-code-5"])
-@pytest.mark.parametrize("order", WAVE_ORDERS + ("attention-first combine-apart", "attention-first combine-apart claims",
-                                                 "attention-first combine-apart claims fused",
-                                                 "attention-first combine-apart claims one-round",
-                                                 "attention-first combine-apart claims attention-5",
-                                                 "attention-first combine-apart claims attention-48"))
-def test_build_schedule_equals_the_list_reference(preset: str, order: str) -> None:
+def test_build_schedule_equals_the_list_reference(preset: str) -> None:
     """Same tasks, task_start, counters and LM tasks as the reference for batch 1, 2, 3, 8, 132 and 7 blocks,
-    contexts 10 to 8192 and qkv_tiles 1 and 2 (contexts giving the same splits are built once)."""
-    order, *options = order.split()
-    apart, claims, fused = "combine-apart" in options, "claims" in options, "fused" in options
-    one_round = "one-round" in options
-    attention_blocks = next((int(o.split("-")[1]) for o in options if o.startswith("attention-")), 0)
+    contexts 10 to 8192 (contexts giving the same splits are built once)."""
     config = _preset(preset)
     seen = set()
     for batch in (1, 2, 3, 8):
         for blocks in (132, 7):
             for context in (10, 100, 300, 8192):
                 splits = attention_splits(config, batch, blocks, context)
-                for qkv_tiles in (1, 2):
-                    if (batch, blocks, splits, qkv_tiles) in seen:
-                        continue
-                    seen.add((batch, blocks, splits, qkv_tiles))
-                    where = f"{preset} {order} batch {batch}, {blocks} blocks, context {context}, qkv_tiles {qkv_tiles}"
-                    q_tiles = one_round_q_tiles(config, blocks, qkv_tiles) if one_round else None
-                    _assert_same(build_schedule(config, batch, blocks, splits, order, qkv_tiles, apart, claims, fused,
-                                                one_round, attention_blocks),
-                                 _build_schedule_reference(config, batch, blocks, splits, order, qkv_tiles, apart, claims,
-                                                           fused, q_tiles, attention_blocks), where)
+                if (batch, blocks, splits) in seen:
+                    continue
+                seen.add((batch, blocks, splits))
+                _assert_same(build_schedule(config, batch, blocks, splits),
+                             _build_schedule_reference(config, batch, blocks, splits),
+                             f"{preset} batch {batch}, {blocks} blocks, context {context}")
 
 
 def test_build_schedule_timing_against_the_reference(capsys) -> None:
@@ -319,73 +276,3 @@ def test_split_contexts_cover_every_task_list_a_sequence_can_need() -> None:
             wanted = {attention_splits(config, batch, 132, c) for c in range(longest + 1)}
             assert {attention_splits(config, batch, 132, c) for c in contexts} == wanted
             assert len(contexts) == len(wanted) <= 8
-
-
-def test_one_round_qkv_puts_at_most_one_qkv_task_on_each_block() -> None:
-    """qkv_one_round at North Mini Code on 132 SMs: 3-tile query tasks, 120 QKV tasks a layer (160 with 2-tile
-    tasks), so no block runs two (run 33: ~37 did, and left for attention ~7 us late); tiny keeps 2-tile tasks."""
-    from northcode.megakernel.tasks import qkv_task_count
-
-    config = preset_config("north-mini-code")
-    assert (one_round_q_tiles(config, 132, 2), qkv_task_count(config, 2, 3)) == (3, 120)
-    splits = attention_splits(config, 1, 132, 8192)
-    for one_round, most in ((False, 2), (True, 1)):
-        schedule = build_schedule(config, 1, 132, splits, qkv_tiles=2, qkv_one_round=one_round)
-        tasks, starts = schedule.tasks.tolist(), schedule.task_start.tolist()
-        per_block = [sum(1 for t in tasks[starts[b]:starts[b + 1]] if t[0] == TaskType.QKV and t[1] == 7)
-                     for b in range(132)]
-        assert max(per_block) == most, per_block
-    assert one_round_q_tiles(preset_config("tiny", 1003), 132, 2) == 2
-
-
-@pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_norm_local_orders_every_x_and_h_access(preset: str, batch: int) -> None:
-    """The norm-local lists (NC_NORM_LOCAL: x by layer parity, QKV and ROUTER normalising it) under random task
-    times: layer l's zeroing of the x it adds into ends before any of its adds; every reader of the x layer l
-    reads ends before layer l + 1 zeroes it, and starts after layer l - 1's last add into it; every reader of h
-    of layer l - 1 ends before a writer of layer l's h starts; MoE up reads h after a whole writer finished."""
-    config = preset_config(preset, 1003 if preset == "tiny" else None)
-    variant = VARIANTS["norm-local"]
-    assert variant.build_defines() == {"NC_NORM_LOCAL": 1, "NC_ROUTER_RING": 0}
-    T = TaskType
-    for blocks, context in ((132, 8192), (7, 100)):
-        schedule = build_schedule(config, batch, blocks, attention_splits(config, batch, blocks, context),
-                                  **variant.schedule_options())
-        tasks = schedule.tasks.tolist()
-        layers = config.num_hidden_layers
-        assert sum(t[0] == T.NORM for t in tasks) == batch * (1 + sum(
-            config.is_dense(l) for l in range(1, layers)) + 1)  # layer 0, dense layers, the final norm
-        for seed in range(4):
-            # a task's time (10 ns to 5 us) from its record and the seed: tasks with the same record take as long
-            _, times = simulate(schedule, lambda t: 10 + hash((seed, *t)) % 5000)
-            spans: dict[tuple[int, int], tuple[float, float]] = {}  # (type, layer) -> (first met, last done)
-            for t, (_, met, done) in zip(tasks, times):
-                first, last = spans.get((t[0], t[1]), (float("inf"), 0))
-                spans[t[0], t[1]] = (min(first, met), max(last, done))
-
-            def met(kind, layer):
-                return spans.get((kind, layer), (float("inf"), 0))[0]
-
-            def done(kind, layer):
-                return spans.get((kind, layer), (float("inf"), 0))[1]
-
-            adders, zeroers = (T.OPROJ, T.MOE_DOWN, T.DENSE_DOWN), (T.ROUTER, T.DENSE_UP)
-            x_readers, h_writers = (T.NORM, T.QKV, T.ROUTER, T.OPROJ), (T.NORM, T.QKV, T.ROUTER)
-            h_readers = (T.QKV, T.ROUTER, T.MOE_UP, T.DENSE_UP)
-            for l in range(layers):
-                zeroed = max(done(k, l) for k in zeroers if (k, l) in spans)
-                assert all(met(k, l) >= zeroed for k in adders), f"layer {l}: an add before the zeroing"
-                for k in x_readers:
-                    if (k, l) in spans and l + 1 < layers:
-                        assert done(k, l) <= min(met(z, l + 1) for z in zeroers), f"layer {l + 1} zeroes under {k.name}"
-                    if (k, l) in spans and l > 0:
-                        assert met(k, l) >= max(done(a, l - 1) for a in adders), f"layer {l}: {k.name} before the adds"
-                if l > 0:
-                    for w in h_writers:
-                        if (w, l) in spans:
-                            assert met(w, l) >= max(done(r, l - 1) for r in h_readers), f"layer {l}: {w.name} on h"
-                if (T.MOE_UP, l) in spans:
-                    assert met(T.MOE_UP, l) >= min(done(w, l) for w in (T.NORM, T.ROUTER) if (w, l) in spans)
-            final = [i for i, t in enumerate(tasks) if t[0] == T.NORM and t[1] == layers]
-            assert min(times[i][1] for i in final) >= max(done(a, layers - 1) for a in adders)

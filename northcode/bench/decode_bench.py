@@ -5,8 +5,7 @@ a paged cache of random K/V (decode_setup.py). Per cell and backend: ms per step
 timed steps after warm-up), tokens/s, GB read per step (weights of the experts actually routed, from the
 kernel's per-layer expert counts, plus the KV the rows attend to), and % of speed of light against
 4.8 TB/s and against the read bandwidth measured at the start of the run. Writes a table, JSON and a
-PNG plot. `--variants` times megakernel variants (megakernel/variants.py: flags and task-list options)
-against the default in the same run. The torch baseline is the engine's TorchBackend (paged, CUDA graphs)
+PNG plot. The torch baseline is the engine's TorchBackend (paged, CUDA graphs)
 on a copy of the same pools, falling back to model.py's eager decode if it fails; it is skipped where the
 copy would not fit. A torch cell notes what it timed when that is not the compiled, graphed step (northcode's
 loggers print at INFO here: compile times, and a failed compile's traceback).
@@ -21,16 +20,6 @@ import time
 from pathlib import Path
 
 HELP = "decode throughput: megakernel vs PyTorch, batch x context grid, table + JSON + plot"
-
-
-def _variant_names() -> dict[str, str]:
-    """Backend name -> megakernel.VARIANTS key: "megakernel" is the default, "megakernel/<name>" the others."""
-    from northcode.megakernel.variants import VARIANTS as kernel_variants
-
-    return {("megakernel" if name == "default" else f"megakernel/{name}"): name for name in kernel_variants}
-
-
-VARIANTS = _variant_names()  # the first is the default
 DATASHEET_TBPS = 4.8
 TORCH_MAX_KV_TOKENS = 8 * 32768  # the baseline's copy of the pools beyond this many tokens does not fit
 
@@ -45,9 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K only, 10 steps")
     parser.add_argument("--profile", action="store_true",
                         help="one extra megakernel step per cell with per-task timestamps: where the time goes")
-    parser.add_argument("--variants", nargs="*", default=None, metavar="NAME",
-                        help="also time megakernel variants (all, or the named ones: "
-                             + ", ".join(list(VARIANTS)[1:]) + ")")
     parser.add_argument("--out", type=Path, default=Path("bench-decode"), help="folder for JSON and PNG")
 
 
@@ -59,10 +45,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if any(not 1 <= b <= 8 for b in args.batch):
         print(f"--batch {args.batch}: every batch size must be 1..8")
-        return 2
-    unknown = [v for v in args.variants or [] if v not in VARIANTS or v == "megakernel"]
-    if unknown:
-        print(f"--variants {' '.join(unknown)}: unknown; choose from {', '.join(list(VARIANTS)[1:])}")
         return 2
     if args.quick:
         args.batch, args.context, args.steps = [1, 8], [8192], 10
@@ -76,13 +58,10 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = measure_bandwidth()
     print(f"bandwidth: read {bandwidth['read_tbps']:.2f} TB/s, copy {bandwidth['copy_tbps']:.2f} TB/s")
     results = []
-    kernels = []
-    if "megakernel" in args.backends:
-        kernels = ["megakernel"] + (list(VARIANTS)[1:] if args.variants == [] else args.variants or [])
     args.out.mkdir(parents=True, exist_ok=True)
     # every megakernel cell first, the torch baseline (graph captures, slower to set up) last: a run cut
     # short by a time limit keeps the kernel's figures (the JSON is rewritten after every cell)
-    for backends in (kernels, [b for b in args.backends if b == "torch"]):
+    for backends in ([b for b in args.backends if b == "megakernel"], [b for b in args.backends if b == "torch"]):
         for context in args.context:
             for batch in args.batch:
                 for backend in backends:
@@ -92,11 +71,6 @@ def run(args: argparse.Namespace) -> int:
                     except torch.OutOfMemoryError:  # the cell's KV cache does not fit next to the weights
                         torch.cuda.empty_cache()
                         print(f"{backend} B={batch} ctx={context}: out of GPU memory, skipped", flush=True)
-                        continue
-                    except RuntimeError as err:  # a failing variant must not lose the others' figures
-                        if backend == "megakernel" or backend not in VARIANTS:
-                            raise
-                        print(f"{backend} B={batch} ctx={context}: FAILED: {err}", flush=True)
                         continue
                     if cell is not None:
                         results.append(cell)
@@ -166,7 +140,7 @@ def bytes_per_step(config, expert_counts: list[int], lengths: list[int]) -> floa
 def bench_cell(config, weights, backend: str, batch: int, context: int, steps: int, warmup: int,
                bandwidth: dict, profile: bool = False, out: Path | None = None) -> dict | None:
     """One (backend, batch, context) cell; with `profile`, the raw per-task record goes to
-    out/profile-<backend>-b<batch>-c<context>.pt (`python -m northcode.bench.profile_report` reads it)."""
+    out/profile-<backend>-b<batch>-c<context>.pt (lab/profile_report.py reads it)."""
     import torch
 
     from northcode.bench.decode_setup import paged_cache
@@ -176,8 +150,8 @@ def bench_cell(config, weights, backend: str, batch: int, context: int, steps: i
     lengths = [context] * batch
     cache = paged_cache(config, lengths, steps + warmup + 1, "cuda", seed=batch)  # +1: the profiled step
     breakdown, note = None, None
-    if backend in VARIANTS:
-        ms, counts, breakdown = time_megakernel(config, weights, cache, steps, warmup, VARIANTS[backend], profile)
+    if backend == "megakernel":
+        ms, counts, breakdown = time_megakernel(config, weights, cache, steps, warmup, profile)
     else:
         ms, counts, note = time_torch(config, weights, cache, steps, warmup)
         if ms is None:
@@ -188,7 +162,7 @@ def bench_cell(config, weights, backend: str, batch: int, context: int, steps: i
     if breakdown:
         raw = breakdown.pop("raw", None)
         if raw is not None and out is not None:
-            torch.save(raw, out / f"profile-{backend.replace('/', '-')}-b{batch}-c{context}.pt")
+            torch.save(raw, out / f"profile-{backend}-b{batch}-c{context}.pt")
         print(f"  profile {backend} B={batch}: span {breakdown['span_us']} us, busy {breakdown['busy_fraction']:.0%}, median layer "
               f"{sorted(breakdown['layer_us'])[len(breakdown['layer_us']) // 2]} us; "
               + ", ".join(f"{k} wait {v['wait_us']} busy {v['busy_us']}" for k, v in breakdown["by_type"].items()))
@@ -200,14 +174,13 @@ def bench_cell(config, weights, backend: str, batch: int, context: int, steps: i
                 sol_measured=nbytes / (bandwidth["read_tbps"] * 1e12) * 1e3 / ms)
 
 
-def time_megakernel(config, weights, cache, steps: int, warmup: int, variant: str = "default",
+def time_megakernel(config, weights, cache, steps: int, warmup: int,
                     profile: bool = False) -> tuple[float, list[int], dict | None]:
     import torch
 
     from northcode.megakernel.kernel import Megakernel, RowSpec
 
-    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
-                        variant=variant)
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0)
     tokens = torch.arange(len(cache.lengths), dtype=torch.int32) + 1000
     rows = lambda step: [RowSpec(position=n + step, seq=b) for b, n in enumerate(cache.lengths)]  # noqa: E731
     for step in range(warmup):
@@ -346,13 +319,13 @@ def add_speedups(results: list[dict]) -> None:
     torch_ms = {(r["batch"], r["context"]): r["ms_per_step"] for r in results if r["backend"] == "torch"}
     for r in results:
         base = torch_ms.get((r["batch"], r["context"]))
-        r["speedup_vs_torch"] = base / r["ms_per_step"] if base and r["backend"].startswith("megakernel") else None
+        r["speedup_vs_torch"] = base / r["ms_per_step"] if base and r["backend"] == "megakernel" else None
 
 
 def format_row(r: dict) -> str:
     speedup = f"{r['speedup_vs_torch']:.2f}x" if r.get("speedup_vs_torch") else "-"
     note = f"  ({r['note']})" if r.get("note") else ""
-    return (f"{r['backend']:>28} B={r['batch']} ctx={r['context']:>6} {r['ms_per_step']:8.3f} ms "
+    return (f"{r['backend']:>10} B={r['batch']} ctx={r['context']:>6} {r['ms_per_step']:8.3f} ms "
             f"{r['tokens_per_s']:8.1f} tok/s {r['gb_per_step']:6.2f} GB  SoL {100 * r['sol_datasheet']:5.1f}% "
             f"(4.8) {100 * r['sol_measured']:5.1f}% (measured)  {speedup}{note}")
 

@@ -60,9 +60,8 @@ def model(preset: str, layers: int | None = None, device: str = "cuda"):
 
 
 def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | None = None, seed: int | None = None,
-                   timeout_s: float = 5.0, device: str = "cuda", variant: str = "default") -> dict:
-    """Run the checks with the kernel run as megakernel.VARIANTS[variant]; return figures (with "failures":
-    the checks that did not hold, as strings)."""
+                   timeout_s: float = 5.0, device: str = "cuda") -> dict:
+    """Run the checks; return figures (with "failures": the checks that did not hold, as strings)."""
     from northcode.bench.decode_oracle import compare_routing, first_jump, residual_errors
     from northcode.bench.decode_setup import paged_cache, row_history, write_kv
     from northcode.megakernel.kernel import Megakernel, RowSpec
@@ -70,8 +69,7 @@ def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | No
     config, weights, exact, bf16 = model(preset, layers, device)
     batch, L = len(lengths), config.num_hidden_layers
     cache = paged_cache(config, lengths, steps, device, seed=len(lengths) if seed is None else seed)
-    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=timeout_s,
-                        variant=variant)
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=timeout_s)
     kernel.enable_trace()
     history = [row_history(config, cache, b, steps) for b in range(batch)]
     tokens = torch.randint(0, config.vocab_size, (batch,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -113,9 +111,8 @@ def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | No
                 keys[layer][pos], values[layer][pos] = ex.keys[layer], ex.values[layer]
             next_tokens.append(int(ex.logits.argmax()))
         tokens = next_tokens
-    figures = summarize(preset, layers, lengths, steps, logit_rows, layer_rows, routing_rows, argmax_agree,
-                        argmax_clear, failures)
-    return dict(variant=variant, **figures)
+    return summarize(preset, layers, lengths, steps, logit_rows, layer_rows, routing_rows, argmax_agree,
+                     argmax_clear, failures)
 
 
 def check_logits(where: str, got: torch.Tensor, ex, bt, failures: list[str]) -> tuple[dict, int, int]:
@@ -251,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="4090", help="comma-separated cached tokens per row (batch = count)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json", default=None, help="append the full record (JSON line) to this file")
-    parser.add_argument("--variant", default="default", help="megakernel variant (megakernel.VARIANTS)")
     args = parser.parse_args(argv)
     try:
         lengths = [int(n) for n in args.lengths.split(",")]
@@ -262,11 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("decode_check: needs a CUDA GPU (the megakernel runs on sm_90)", file=sys.stderr)
         return 2
-    from northcode.megakernel.kernel import VARIANTS
-
-    if args.variant not in VARIANTS:
-        parser.error(f"--variant {args.variant!r}: choose from {', '.join(VARIANTS)}")
-    record = teacher_forced(args.preset, lengths, args.steps, args.layers, variant=args.variant)
+    record = teacher_forced(args.preset, lengths, args.steps, args.layers)
     print_layers(record)
     report(record, args.json)
     for failure in record["failures"][:20]:

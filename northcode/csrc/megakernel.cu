@@ -8,10 +8,11 @@
 //   0 fences and adds; consumers: thread 0 spins (acquire) and the block syncs. A task only waits
 //   on tasks of strictly earlier waves, so the lists cannot deadlock.
 //   Matrix products: mma.sync m16n8k16 (bf16 in, fp32 accumulate), the weight is the 16-row A
-//   operand, the batch rows are the 8 columns of B. Two ways to feed them: register loads (QKV,
-//   o_proj, router, dense, LM head), or, for the routed experts, a per-lane cp.async ring in shared
-//   memory that streams across tile boundaries (section 11); attention pages stream through a ring
-//   too, filled before q is ready. The experts a step needs are known on the device only (TOPK).
+//   operand, the batch rows are the 8 columns of B. Two ways to feed them: register loads behind an L2
+//   prefetch (QKV, dense, LM head), or a per-lane cp.async ring in shared memory (the routed experts,
+//   streamed across tile boundaries: section 11; o_proj; the router, whose tile is copied whole before
+//   its wait); attention pages stream through a ring too, filled before q is ready. The experts a
+//   step needs are known on the device only (TOPK).
 //   Geometry is compile-time (-DNC_HIDDEN=... from megakernel.py): every per-layer shape; the depth
 //   is not (the task lists carry the layers), so one build serves a model and its shallow test copies.
 //   Target sm_90a; no PyTorch headers. ABI: nc_* functions below; one Params struct by pointer;
@@ -22,7 +23,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#define NC_ABI_VERSION 5
+#define NC_ABI_VERSION 6
 
 #if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
@@ -82,9 +83,9 @@ enum TaskType : int {
   TASK_ATTN = 3,        // arg0 row, arg1 kv head, arg2 split, arg3 splits, arg4 window (0 none)
   TASK_COMBINE = 4,     // arg0 row, arg1 kv head, arg2 splits -> attn_out
   TASK_OPROJ = 5,       // arg0 first tile, arg1 tiles: x += o_proj(attn_out)
-  TASK_ROUTER = 6,      // arg0 first tile, arg1 tiles: router logits
+  TASK_ROUTER = 6,      // arg0 tile: router logits
   TASK_TOPK = 7,        // all rows: selection, expert slots, slot weights
-  TASK_MOE_UP = 8,      // one per SM: arg1 first "slot done" counter (its tiles: round-robin over the SMs)
+  TASK_MOE_UP = 8,      // one per SM: arg0 last blocks without up tiles, arg1 first "slot done" counter, arg2 claims
   TASK_MOE_DOWN = 9,    // one per SM: arg1 first "slot done" counter (its tiles: a contiguous range)
   TASK_DENSE_UP = 10,   // arg0 first tile, arg1 tiles: silu(gate) * up
   TASK_DENSE_DOWN = 11, // arg0 first 32-row tile, arg1 tiles: x += down(act)
@@ -92,11 +93,6 @@ enum TaskType : int {
   TASK_SAMPLE = 13,     // arg0 row, arg1 LM-head task count: next token
   NUM_TASK_TYPES = 14,
 };
-
-// Params.flags bits: L2 prefetch of the current / the next task's weights before its dependency wait;
-// NO_KV_PRELOAD: attention copies no KV page before its wait (the benchmark times what the preload gains).
-// OPROJ_RING: o_proj tiles stream through a per-lane cp.async ring (task_oproj_ring), issued after the wait.
-enum Flags : int { NC_FLAG_PREFETCH_CURRENT = 1, NC_FLAG_PREFETCH_NEXT = 2, NC_FLAG_NO_KV_PRELOAD = 4, NC_FLAG_OPROJ_RING = 8 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
 enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
@@ -149,8 +145,6 @@ struct Params {
   int batch_size;                        // rows in use (<= NC_MAX_BATCH)
   unsigned int* counters;                // [num_counters], zeroed before each launch
   int num_counters;
-  int flags;                             // NC_FLAG_* (runtime variants the benchmark compares)
-  int kv_stages;                         // stages of the attention ring, 1..kStages (sizes the launch's shared memory)
   const RowState* rows;                  // [NC_MAX_BATCH]
   int* tokens;                           // [NC_MAX_BATCH] in: this step's tokens; out: sampled tokens
   int* status;                           // [4] code, detail, detail, 0
@@ -360,7 +354,7 @@ template <int NT>
 __device__ void mma_tiles(const bf16* const (&w_tile)[NT], const int (&valid_rows)[NT], int K,
                           const bf16* act, int act_stride, int batch, float* red, float* out) {
   // k-chunks in flight per lane (8 for one-tile products, one round trip for K = 2048 instead of two, spilled
-  // 220 bytes at 255 registers: day 3)
+  // 220 bytes at 255 registers)
   constexpr int U = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int nchunk = K / 32;
@@ -420,7 +414,12 @@ struct GemmSmem {
   float out[2 * 128];
   ArgMax best[128];
 };
-constexpr size_t kMoeRingOffset = (sizeof(GemmSmem) + 15) / 16 * 16;  // where the MoE ring's memory starts
+// The per-lane rings' shared memory follows GemmSmem: the MoE ring's kMoeStages steps of 16 KB (section 11); the
+// o_proj ring (8) and the router tile (9) use the same memory. 4 steps tie with 5 and beat 6 by 1% at B = 1; at 8
+// the step was 6% slower (o_proj beside the stream).
+constexpr size_t kRingOffset = (sizeof(GemmSmem) + 15) / 16 * 16;
+constexpr int kMoeStages = 4;
+constexpr size_t kRingBytes = (size_t)kMoeStages * 4 * kThreads * 16;  // 64 KB
 
 __device__ __forceinline__ const bf16* layer_ptr(const Params& p, int layer, int which) {
   return reinterpret_cast<const bf16*>(p.layer_ptrs[layer * NUM_LAYER_PTRS + which]);
@@ -556,7 +555,7 @@ __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
 // ====  6. Task: ATTN  ==========================================================================
 //   Split-KV decode attention for one (row, KV head, split): the split's share of the row's visible
 //   pages (the whole history, or the window's: keys p-W+1..p). K and V pages stream through a ring of
-//   kStages shared-memory stages by cp.async; the pages wholly before the row's position are issued
+//   kKvStages shared-memory stages by cp.async; the pages wholly before the row's position are issued
 //   BEFORE the task waits for this step's q (attn_preload, called by the dispatcher), so at B = 1 the
 //   whole split is usually in shared memory when q arrives. Scores S[tok][head] = K q^T and the update
 //   O^T[d][head] += V^T P^T run on tensor cores (mma m16n8k16: K or V^T as the 16-row operand, the
@@ -564,7 +563,9 @@ __device__ void task_qkv(const Params& p, const Task& t, unsigned char* smem) {
 //   and P enters the product as two bf16 parts (hi + lo), so the output keeps fp32-like precision.
 //   Outputs: the unnormalised O and (max, sum) per head to attn_partial / attn_ml.
 constexpr int kKvRow = kHeadDim + 8;  // bf16 per shared row: +16 B keeps the fragment loads conflict-free
-constexpr int kStages = kHeadDim > 64 ? 5 : 8;  // KV pages in flight per task (35 KB each at head_dim 128)
+// KV pages in flight per task (35 KB each at head_dim 128): 2 were as fast; 5 were 1.8% slower at B = 1, the larger
+// shared memory leaving less L1 to the other tasks
+constexpr int kKvStages = 3;
 constexpr int kProbRow = kPage + 8;
 constexpr int kDTiles = kHeadDim / 16;  // 16-row tiles of O^T
 static_assert(kGroup <= 8, "the query heads of a KV group are the n8 operand of the attention mma");
@@ -578,7 +579,7 @@ struct AttnSmem {
   bf16 prob[2][8][kProbRow];         // this page's probabilities as bf16 hi + lo parts (rows >= kGroup: zero)
   float score[kGroup][kPage];        // this page's scaled scores (-inf outside the visible range)
   float m[8], l[8], alpha[8];
-  KvStage kv[kStages];               // the ring, last: a launch with fewer stages allocates a prefix
+  KvStage kv[kKvStages];             // the ring
 };
 static_assert(sizeof(AttnSmem) <= 227 * 1024, "attention shared memory beyond the 227 KB a block may have");
 
@@ -616,16 +617,16 @@ __device__ void load_kv_page(const Params& p, AttnSmem& s, int stage, int page, 
 }
 
 // How many of the split's first pages may be copied before this step's K/V is written: those wholly
-// before the row's position (its own page receives the new token), at most kStages.
-__device__ __forceinline__ int attn_early_pages(const AttnRange& r, int stages) {
-  return max(0, min(min(r.p1, r.pos / kPage) - r.p0, stages));
+// before the row's position (its own page receives the new token), at most kKvStages.
+__device__ __forceinline__ int attn_early_pages(const AttnRange& r) {
+  return max(0, min(min(r.p1, r.pos / kPage) - r.p0, kKvStages));
 }
 
 // Before the dependency wait (dispatcher): start copying the pages that do not depend on this step.
 __device__ void attn_preload(const Params& p, const Task& t, unsigned char* smem) {
   AttnSmem& s = *reinterpret_cast<AttnSmem*>(smem);
   const AttnRange r = attn_range(p, t);
-  const int early = attn_early_pages(r, p.kv_stages);
+  const int early = attn_early_pages(r);
   for (int j = 0; j < early; ++j) load_kv_page(p, s, j, attn_page_of(p, t, r.p0 + j), t.arg[1]);
 }
 
@@ -723,7 +724,7 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
   const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2];
   const AttnRange r = attn_range(p, t);
   const int n = r.p1 - r.p0;
-  int issued = (p.flags & NC_FLAG_NO_KV_PRELOAD) ? 0 : attn_early_pages(r, p.kv_stages);  // attn_preload's pages
+  int issued = attn_early_pages(r);  // attn_preload's pages
   for (int i = threadIdx.x; i < 8 * kKvRow; i += kThreads) {  // queries (heads >= kGroup: zero)
     const int hq = i / kKvRow, d = i % kKvRow;
     s.q[hq][d] = hq < kGroup && d < kHeadDim ? __ldcg(p.q + (size_t)b * kQSize + (kvh * kGroup + hq) * kHeadDim + d)
@@ -738,11 +739,11 @@ __device__ void task_attn(const Params& p, const Task& t, unsigned char* smem) {
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const float scale = rsqrtf((float)kHeadDim);
   for (int j = 0; j < n; ++j) {
-    for (; issued < n && issued < j + p.kv_stages; ++issued)
-      load_kv_page(p, s, issued % p.kv_stages, attn_page_of(p, t, r.p0 + issued), kvh);
+    for (; issued < n && issued < j + kKvStages; ++issued)
+      load_kv_page(p, s, issued % kKvStages, attn_page_of(p, t, r.p0 + issued), kvh);
     cp_async_wait_pending(issued - j - 1);
     __syncthreads();
-    const int stage = j % p.kv_stages, pg = r.p0 + j;
+    const int stage = j % kKvStages, pg = r.p0 + j;
     const int lo_tok = max(r.lo - pg * kPage, 0), hi_tok = min(r.pos - pg * kPage, kPage - 1);
     if (lo_tok > 0 || hi_tok < kPage - 1) {  // rows outside the visible range get P = 0: make V finite there
       for (int i = threadIdx.x; i < kPage * kHeadDim; i += kThreads) {
@@ -822,28 +823,82 @@ __device__ void task_combine(const Params& p, const Task& t, unsigned char* smem
 }
 
 // ====  8. Task: OPROJ  =========================================================================
-//   16-row tiles of o_proj (K = Hq*D) over attn_out; x[b][row] += bf16(result) (atomic: the MLP
-//   branch adds into the same rows).
+//   16-row tiles of o_proj (K = Hq*D, 128 KB a tile) over attn_out; x[b][row] += bf16(result) (atomic:
+//   the MLP branch adds into the same rows). Each tile streams through a per-lane ring of kOprojStages
+//   steps in the rings' memory (rows g and g+8, 16 B each, at the warp's k-chunks: 8 KB a step, 64 KB in
+//   flight per SM all along the tile); mma_tiles' register loads keep 32 KB in flight and drain them
+//   between passes: latency-bound, they ran 50% slower in builds whose timing put them beside more of the
+//   MoE stream. The first tile's first steps go out before the dependency wait (oproj_prologue); the
+//   activation pieces (attn_out, from L2) are loaded two steps ahead.
 // Adds o_proj's result for rows 16 tile .. + 15 into x.
 __device__ __forceinline__ void oproj_add(const Params& p, int tile, const float* out) {
   const int i = threadIdx.x, r = i >> 3, b = i & 7;
   if (i < 128 && b < p.batch_size) atomicAdd(p.x + (size_t)b * kHidden + tile * 16 + r, bf16_round(out[i]));
 }
 
-__device__ void oproj_tile(const Params& p, int layer, int tile, GemmSmem& s) {
-  const bf16* tiles[1] = {layer_ptr(p, layer, LP_O) + (size_t)tile * 16 * kQSize};
-  const int valid[1] = {16};
-  mma_tiles<1>(tiles, valid, kQSize, p.attn_out, kQSize, p.batch_size, s.red, s.out);
-  oproj_add(p, tile, s.out);
+constexpr int kOprojSteps = (kQSize / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (16 at North Mini Code)
+constexpr int kOprojStages = 2 * kMoeStages;  // a step is half a MoE step
+static_assert((size_t)kOprojStages * 2 * kThreads * 16 <= kRingBytes, "the o_proj ring in the rings' memory");
+
+__device__ __forceinline__ void oproj_issue(const bf16* w, uint4* ring, int step) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int c = warp + kWarps * step;
+  if (step < kOprojSteps && c < kQSize / 32) {
+    uint4* slot = ring + (size_t)(step % kOprojStages) * 2 * kThreads + threadIdx.x;
+    const size_t lo = (size_t)g * kQSize + c * 32 + 8 * tq;
+    cp_async16(slot, w + lo);
+    cp_async16(slot + kThreads, w + lo + (size_t)8 * kQSize);
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+// The first tile's first kOprojStages steps, issued by the dispatcher before the task's dependency wait (weights
+// are immutable; the previous task left the ring's memory with no copy in flight): at the layer's end the wait is
+// already met, and its round trip (~1.5 us) then overlaps the first loads.
+__device__ void oproj_prologue(const Params& p, const Task& t, unsigned char* smem) {
+  uint4* ring = reinterpret_cast<uint4*>(smem + kRingOffset);
+  const bf16* w = layer_ptr(p, t.layer, LP_O) + (size_t)t.arg[0] * 16 * kQSize;
+  for (int j = 0; j < kOprojStages; ++j) oproj_issue(w, ring, j);
 }
 
 __device__ void task_oproj(const Params& p, const Task& t, unsigned char* smem) {
-  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile)
-    oproj_tile(p, t.layer, tile, *reinterpret_cast<GemmSmem*>(smem));
+  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
+  uint4* ring = reinterpret_cast<uint4*>(smem + kRingOffset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const bf16* act = p.attn_out + (size_t)g * kQSize + warp * 32 + 8 * tq;
+  auto piece = [&](int j) {
+    return g < p.batch_size && j < kOprojSteps && warp + kWarps * j < kQSize / 32
+               ? load_act16(act + (size_t)kWarps * 32 * j) : make_uint4(0, 0, 0, 0);
+  };
+  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
+    const bf16* w = layer_ptr(p, t.layer, LP_O) + (size_t)tile * 16 * kQSize;
+    if (tile > t.arg[0])  // the first tile's prologue went out before the wait (oproj_prologue)
+      for (int j = 0; j < kOprojStages; ++j) oproj_issue(w, ring, j);
+    uint4 xa[3] = {piece(0), piece(1), make_uint4(0, 0, 0, 0)};
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int j = 0; j < kOprojSteps; ++j) {
+      if (j + 2 < kOprojSteps) xa[(j + 2) % 3] = piece(j + 2);
+      asm volatile("cp.async.wait_group %0;" ::"n"(kOprojStages - 1) : "memory");
+      if (warp + kWarps * j < kQSize / 32) {
+        const uint4* slot = ring + (size_t)(j % kOprojStages) * 2 * kThreads + threadIdx.x;
+        mma_piece(acc[0], slot[0], slot[kThreads], xa[j % 3]);
+      }
+      oproj_issue(w, ring, j + kOprojStages);
+    }
+    reduce_warps<1>(acc, s.red, s.out);
+    oproj_add(p, tile, s.out);
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the task (the next reuses the memory)
+  __syncthreads();
 }
 
 // ====  9. Task: ROUTER  ========================================================================
-//   16-row tiles of the router (E rows, K = H): router_logits[b][e], rounded to bf16 as the reference.
+//   One 16-row tile of the router (E rows, K = H) a task: router_logits[b][e], rounded to bf16 as the
+//   reference. The tile's whole weight (64 KB at H = 2048) is copied into the rings' memory by cp.async
+//   before the dependency wait (router_prologue, from the dispatcher), so that once h is ready only h's
+//   pieces make a round trip. The router sits on the step's critical chain (NORM -> ROUTER -> TOPK ->
+//   every MoE up): through mma_tiles' loads (two round trips and the signal) it took 5.9 us, 3.0 this way.
 // A tile's logits (out [16 rows x 8 batch rows], fp32) rounded to bf16 as the reference: router_logits [b][e].
 __device__ __forceinline__ void router_epilogue(const Params& p, int layer, int tile, const float* out) {
   const int i = threadIdx.x, r = i >> 3, b = i & 7, e = tile * 16 + r;
@@ -853,14 +908,47 @@ __device__ __forceinline__ void router_epilogue(const Params& p, int layer, int 
   }
 }
 
+constexpr int kRouterSteps = (kHidden / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (8 at H = 2048)
+static_assert((size_t)kRouterSteps * 2 * kThreads * 16 <= kRingBytes, "a router tile in the rings' memory");
+
+// Step j of this lane: rows g and g + 8 (clamped to the tile's valid rows, as mma_tiles), k-chunk warp + 8 j.
+__device__ void router_prologue(const Params& p, const Task& t, unsigned char* smem) {
+  uint4* ring = reinterpret_cast<uint4*>(smem + kRingOffset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int valid = min(16, kExperts - t.arg[0] * 16), r_lo = min(g, valid - 1), r_hi = min(g + 8, valid - 1);
+  const bf16* w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)t.arg[0] * 16 * kHidden + warp * 32 + 8 * tq;
+#pragma unroll
+  for (int j = 0; j < kRouterSteps; ++j) {
+    if (warp + kWarps * j < kHidden / 32) {
+      uint4* slot = ring + (size_t)j * 2 * kThreads + threadIdx.x;
+      cp_async16(slot, w + (size_t)r_lo * kHidden + kWarps * 32 * j);
+      cp_async16(slot + kThreads, w + (size_t)r_hi * kHidden + kWarps * 32 * j);
+    }
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
 __device__ void task_router(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
-    const bf16* tiles[1] = {layer_ptr(p, t.layer, LP_ROUTER) + (size_t)tile * 16 * kHidden};
-    const int valid[1] = {min(16, kExperts - tile * 16)};
-    mma_tiles<1>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
-    router_epilogue(p, t.layer, tile, s.out);
-  }
+  const uint4* ring = reinterpret_cast<const uint4*>(smem + kRingOffset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const bf16* act = p.h + (size_t)g * kHidden + warp * 32 + 8 * tq;
+  uint4 xa[kRouterSteps];  // all of this lane's h pieces in one round trip
+#pragma unroll
+  for (int j = 0; j < kRouterSteps; ++j)
+    xa[j] = g < p.batch_size && warp + kWarps * j < kHidden / 32 ? load_act16(act + kWarps * 32 * j)
+                                                                  : make_uint4(0, 0, 0, 0);
+  asm volatile("cp.async.wait_group 0;" ::: "memory");  // this lane's own slots of the tile
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int j = 0; j < kRouterSteps; ++j)
+    if (warp + kWarps * j < kHidden / 32) {
+      const uint4* slot = ring + (size_t)j * 2 * kThreads + threadIdx.x;
+      mma_piece(acc[0], slot[0], slot[kThreads], xa[j]);
+    }
+  reduce_warps<1>(acc, s.red, s.out);
+  router_epilogue(p, t.layer, t.arg[0], s.out);
+  __syncthreads();  // the ring's memory is free for the next task
 }
 
 // ====  10. Task: TOPK  =========================================================================
@@ -1020,20 +1108,18 @@ __device__ void task_topk(const Params& p, const Task& t, unsigned char* smem) {
 
 __device__ __forceinline__ float silu_bf16(float g) { return bf16_round(g / (1.f + expf(-g))); }
 
-// ====  11. Tasks: MOE_UP and MOE_DOWN (streamed, statically shared)  ==========================
+// ====  11. Tasks: MOE_UP and MOE_DOWN (streamed)  =============================================
 //   Every SM runs one MOE_UP and one MOE_DOWN per layer. Once TOPK has written the slots, the work is
-//   known: up tiles u = (slot, 16 channels) taken round-robin (block r: u = r, r + blocks, ...: slots
-//   finish in order; MOE_UP's arg0 last blocks take none: combine_apart; or, where MOE_UP's arg2 names a
-//   counter, claimed from it in order a few tiles ahead, so that blocks leaving attention late take fewer),
-//   down tiles d = (slot, 32 output rows) in contiguous ranges (a block's tiles share a slot, so its
-//   activation rows are loaded once per slot). Each lane streams its own pieces of the
-//   weights (rows g and g+8 of both 16-row matrices of a tile, 16 B each, at its warp's k-chunks)
-//   through a private ring of kMoeStages steps in shared memory by cp.async, kMoeStages x 16 KB in flight
-//   per SM across tile boundaries, and multiplies a step once its copy group is complete; the block
-//   meets only to reduce a tile's warps. Up: moe_act[slot][b] = bf16(silu(gate) * up), "slot done" += 1
-//   per tile (the slot is done at I/16). Down: waits for its slot, then x[b] += bf16(bf16(down . act) *
-//   weight[slot][b]) for the rows routed to that expert.
-constexpr int kMoeStages = 4;  // 4 x 16 KB in flight per SM (6 took as long; more slowed o_proj beside the stream)
+//   known: up tiles u = (slot, 16 channels) claimed in order from the layer's counter (MOE_UP arg2) a
+//   few tiles ahead, so that blocks leaving attention late take fewer and the slots complete in order
+//   (MOE_UP's arg0 last blocks take none: they run the combine); down tiles d = (slot, 32 output rows)
+//   in contiguous ranges (a block's tiles share a slot, so its activation rows are loaded once per
+//   slot). Each lane streams its own pieces of the weights (16 B each, at its warp's k-chunks; kUpRowSeg
+//   and kDownRows below say which rows) through a private ring of kMoeStages steps in shared memory by
+//   cp.async, kMoeStages x 16 KB in flight per SM across tile boundaries, and multiplies a step once its
+//   copy group is complete; the block meets only to reduce a tile's warps. Up: moe_act[slot][b] =
+//   bf16(silu(gate) * up), "slot done" += 1 per tile (the slot is done at I/16). Down: waits for its
+//   slot, then x[b] += bf16(bf16(down . act) * weight[slot][b]) for the rows routed to that expert.
 // kUpRowSeg: an up step reads one matrix's 16 rows x 1 KB (512 columns: chunks 16s + 2w and 16s + 2w + 1 for warp
 // w at the matrix's step s) instead of both matrices' 16 rows x 512 B, so that a step's pieces of each row are
 // twice as long: with every SM streaming, 1-KB pieces of 32 rows read at 4.5 TB/s, 512-B pieces at 3.5 (DRAM pages
@@ -1061,16 +1147,16 @@ static_assert(!kDownRows || kDownRowStages >= 2, "MoE down rows: the ring holds 
 __device__ __forceinline__ int down_chunk(int j, int warp) {
   return kDownRows ? kDownSteps * warp + j : warp + kWarps * j;
 }
-constexpr size_t kMoeSmemBytes = kMoeRingOffset + (size_t)kMoeStages * 4 * kThreads * 16;
+constexpr size_t kMoeSmemBytes = kRingOffset + kRingBytes;
 
 enum StreamKind : int { STREAM_DOWN = 0, STREAM_UP = 1 };
 struct MoeStream {  // one lane's view of a task's weight stream: tile i of the block's list, step j of it
   const int* experts;  // shared memory: the expert of each slot (copied once: no global load per issued step)
   const bf16* base;  // up: the layer's gate_up [E, 2I, H]; down: down [E, H, I]
   int kind;          // StreamKind: which weights, and K (H for up, I for down)
-  int first, stride, count, steps;  // the block's tiles: first + i * stride, i < count; steps per tile (this warp)
+  int first, count, steps;  // down: the block's tiles first + i, i < count; steps per tile (this warp)
   uint4* ring;
-  int* claimed;   // up claims (MOE_UP arg2 >= 0), else null: shared memory, the block's i-th tile at [i & 7]
+  int* claimed;   // up: shared memory, the block's i-th claimed tile at [i & (kClaimRing - 1)]; down: null
   int lookahead;  // claims: tiles claimed ahead of the one being multiplied (the ring reaches that far)
   int total;      // tiles of the layer
 };
@@ -1080,7 +1166,7 @@ static_assert(kExperts + kClaimRing <= 2 * 128, "MoE stream: the slots' experts 
 // The tile index of the block's i-th tile, or -1 past its last.
 __device__ __forceinline__ int moe_tile_of(const MoeStream& st, int i) {
   if (st.claimed) return st.claimed[i & (kClaimRing - 1)];
-  return i < st.count ? st.first + i * st.stride : -1;
+  return i < st.count ? st.first + i : -1;
 }
 
 // Rows of the tile's two 16-row matrices (A, B) and K, for tile index `tile` of the stream's kind.
@@ -1177,9 +1263,12 @@ __device__ __forceinline__ void moe_down_rows_product(const MoeStream& st, int i
   }
 }
 
-// Issues the stream's first steps, as many as its ring holds (before any wait where the weights are known).
+// Issues the stream's first steps, as many as its ring holds (before any wait where the weights are known). Not
+// unrolled: unrolled, ptxas 13.0 put the L2-policy descriptor of the tiny build's down-stream copies in an odd
+// uniform register, which the GPU refuses (an illegal instruction; the compile test reads every build for it).
 __device__ __forceinline__ void stream_prologue(const MoeStream& st) {
   const int stages = kDownRows && st.kind == STREAM_DOWN ? kDownRowStages : kMoeStages;
+#pragma unroll 1
   for (int q = 0; q < stages; ++q) moe_issue(st, q);
 }
 
@@ -1188,30 +1277,27 @@ __device__ MoeStream moe_stream(const Params& p, const Task& t, unsigned char* s
   const int slots = __ldcg(p.moe_slots), blocks = p.num_blocks;
   const int rank = blockIdx.x;
   int* experts = reinterpret_cast<int*>(reinterpret_cast<GemmSmem*>(smem)->best);  // 256 ints >= kExperts
-  // claims (MOE_UP arg2 >= 0): the block's first `lookahead` tiles from the layer's counter, the atomic in flight
-  // with the slots' load; the ring reaches `lookahead` - 1 tiles ahead of the one multiplied
-  const bool claims = up && t.arg[2] >= 0, claimer = claims && rank < blocks - t.arg[0];
+  // up: the block's first `lookahead` tiles claimed from the layer's counter, the atomic in flight with the slots'
+  // load; the ring reaches `lookahead` - 1 tiles ahead of the one multiplied
+  const bool claimer = up && rank < blocks - t.arg[0];
   const int min_steps = max(1, nchunk / kWarps), lookahead = (kMoeStages + min_steps - 1) / min_steps + 1;
   unsigned claim_base = 0;
   if (claimer && threadIdx.x == 0) claim_base = atomicAdd(p.counters + t.arg[2], (unsigned)lookahead);
   __syncthreads();  // the previous user of this memory is done
   for (int i = threadIdx.x; i < slots; i += kThreads) experts[i] = __ldcg(p.moe_slots + 1 + i);
-  if (claims && threadIdx.x == 0) {
+  if (up && threadIdx.x == 0) {
     const int total = slots * kUpTilesPerSlot, base = claimer ? (int)claim_base : total;
     for (int j = 0; j < lookahead; ++j) experts[kExperts + j] = base + j < total ? base + j : -1;
   }
   __syncthreads();
-  MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up ? STREAM_UP : STREAM_DOWN, 0, 1, 0,
+  MoeStream st{experts, layer_ptr(p, t.layer, up ? LP_EXPERT_GATE_UP : LP_EXPERT_DOWN), up ? STREAM_UP : STREAM_DOWN,
+               0, 0,
                warp < nchunk ? (nchunk - warp + kWarps - 1) / kWarps : 0,
-               reinterpret_cast<uint4*>(smem + kMoeRingOffset), nullptr, lookahead, slots * kUpTilesPerSlot};
+               reinterpret_cast<uint4*>(smem + kRingOffset), nullptr, lookahead, slots * kUpTilesPerSlot};
   static_assert(kMoeStages + 2 <= kClaimRing, "claims: tiles i .. i + lookahead (<= kMoeStages + 1) fit the ring");
   if (kDownRows && !up) st.steps = 2;  // one step a matrix (every warp has chunks in both)
-  if (claims) {
+  if (up) {
     st.claimed = experts + kExperts;
-  } else if (up) {  // round-robin over all but the last t.arg[0] blocks (they run the combine: combine_apart)
-    const int total = slots * kUpTilesPerSlot, up_blocks = blocks - t.arg[0];
-    st.first = rank, st.stride = up_blocks;
-    st.count = rank < up_blocks && rank < total ? (total - rank + up_blocks - 1) / up_blocks : 0;
   } else {  // contiguous
     const int total = slots * kDownTilesPerSlot;
     st.first = (int)((long long)total * rank / blocks);
@@ -1234,9 +1320,9 @@ __device__ void task_moe_up(const Params& p, const Task& t, unsigned char* smem)
   for (int i = 0;; ++i) {
     const int tile = moe_tile_of(st, i);
     if (tile < 0) break;
-    // claims: tile i + lookahead, asked for now and written after the product (the atomic's round trip hides
-    // behind it); the ring first needs it during tile i + 1, after the reduction's barrier
-    const bool claiming = st.claimed != nullptr && threadIdx.x == 0;
+    // tile i + lookahead, claimed now and written after the product (the atomic's round trip hides behind it); the
+    // ring first needs it during tile i + 1, after the reduction's barrier
+    const bool claiming = threadIdx.x == 0;
     unsigned claim = 0;
     if (claiming) claim = atomicAdd(p.counters + t.arg[2], 1u);
     float acc[2][4];
@@ -1288,118 +1374,6 @@ __device__ void task_moe_down(const Params& p, const Task& t, unsigned char* sme
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   __syncthreads();
-}
-
-// ---- OPROJ_RING (the default's since run 81): each 16-row o_proj tile (K = Hq*D, 128 KB) streams through a
-// per-lane ring of kOprojStages steps (rows g and g+8, 16 B each, at the warp's k-chunks: 8 KB a step, 64 KB in
-// flight per SM at 4 MoE stages, in the MoE ring's memory, all along the tile), where the register product keeps 4
-// chunks in flight and drains them before the next 4: latency-bound, 50% slower in builds whose timing puts it
-// beside more of the MoE streams (runs 75-80). The first tile's first steps go out before the dependency wait
-// (oproj_ring_prologue); the activation pieces (attn_out, from L2) are loaded two steps ahead.
-constexpr int kOprojSteps = (kQSize / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (16 at North Mini Code)
-constexpr int kOprojStages = 2 * kMoeStages;  // a step is half a MoE step: the same ring memory
-static_assert(kOprojStages * 2 <= kMoeStages * 4, "o_proj ring within the MoE ring's memory");
-
-__device__ __forceinline__ void oproj_issue(const bf16* w, uint4* ring, int step) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-  const int c = warp + kWarps * step;
-  if (step < kOprojSteps && c < kQSize / 32) {
-    uint4* slot = ring + (size_t)(step % kOprojStages) * 2 * kThreads + threadIdx.x;
-    const size_t lo = (size_t)g * kQSize + c * 32 + 8 * tq;
-    cp_async16(slot, w + lo);
-    cp_async16(slot + kThreads, w + lo + (size_t)8 * kQSize);
-  }
-  asm volatile("cp.async.commit_group;");
-}
-
-// The first tile's first kOprojStages steps, issued by the dispatcher before the task's dependency wait (weights
-// are immutable; the previous task left the ring's memory with no copy in flight): at the layer's end the wait is
-// already met, and its round trip (~1.5 us, run 28) then overlaps the first loads.
-__device__ void oproj_ring_prologue(const Params& p, const Task& t, unsigned char* smem) {
-  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
-  const bf16* w = layer_ptr(p, t.layer, LP_O) + (size_t)t.arg[0] * 16 * kQSize;
-  for (int j = 0; j < kOprojStages; ++j) oproj_issue(w, ring, j);
-}
-
-__device__ void task_oproj_ring(const Params& p, const Task& t, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-  const bf16* act = p.attn_out + (size_t)g * kQSize + warp * 32 + 8 * tq;
-  auto piece = [&](int j) {
-    return g < p.batch_size && j < kOprojSteps && warp + kWarps * j < kQSize / 32
-               ? load_act16(act + (size_t)kWarps * 32 * j) : make_uint4(0, 0, 0, 0);
-  };
-  for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
-    const bf16* w = layer_ptr(p, t.layer, LP_O) + (size_t)tile * 16 * kQSize;
-    if (tile > t.arg[0])  // the first tile's prologue went out before the wait (oproj_ring_prologue)
-      for (int j = 0; j < kOprojStages; ++j) oproj_issue(w, ring, j);
-    uint4 xa[3] = {piece(0), piece(1), make_uint4(0, 0, 0, 0)};
-    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int j = 0; j < kOprojSteps; ++j) {
-      if (j + 2 < kOprojSteps) xa[(j + 2) % 3] = piece(j + 2);
-      asm volatile("cp.async.wait_group %0;" ::"n"(kOprojStages - 1) : "memory");
-      if (warp + kWarps * j < kQSize / 32) {
-        const uint4* slot = ring + (size_t)(j % kOprojStages) * 2 * kThreads + threadIdx.x;
-        mma_piece(acc[0], slot[0], slot[kThreads], xa[j % 3]);
-      }
-      oproj_issue(w, ring, j + kOprojStages);
-    }
-    reduce_warps<1>(acc, s.red, s.out);
-    oproj_add(p, tile, s.out);
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the task (the next reuses the memory)
-  __syncthreads();
-}
-
-// A ROUTER task of one tile copies the tile's whole weight (16 rows x H, 64 KB at H = 2048) into the ring's memory
-// by cp.async before its dependency wait (router_ring_prologue, from the dispatcher, as o_proj's first steps), so
-// that once h is ready only h's pieces make a round trip. The router sits on the step's critical chain (NORM ->
-// ROUTER -> TOPK -> every MoE up): through mma_tiles' loads (two round trips and the signal) it took 5.9 us, 3.0
-// this way.
-constexpr int kRouterSteps = (kHidden / 32 + kWarps - 1) / kWarps;  // k-chunks per warp (8 at H = 2048)
-static_assert((size_t)kRouterSteps * 2 * kThreads * 16 <= (size_t)kMoeStages * 4 * kThreads * 16,
-              "a router tile in the ring's memory");
-
-// Step j of this lane: rows g and g + 8 (clamped to the tile's valid rows, as mma_tiles), k-chunk warp + 8 j.
-__device__ void router_ring_prologue(const Params& p, const Task& t, unsigned char* smem) {
-  uint4* ring = reinterpret_cast<uint4*>(smem + kMoeRingOffset);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-  const int valid = min(16, kExperts - t.arg[0] * 16), r_lo = min(g, valid - 1), r_hi = min(g + 8, valid - 1);
-  const bf16* w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)t.arg[0] * 16 * kHidden + warp * 32 + 8 * tq;
-#pragma unroll
-  for (int j = 0; j < kRouterSteps; ++j) {
-    if (warp + kWarps * j < kHidden / 32) {
-      uint4* slot = ring + (size_t)j * 2 * kThreads + threadIdx.x;
-      cp_async16(slot, w + (size_t)r_lo * kHidden + kWarps * 32 * j);
-      cp_async16(slot + kThreads, w + (size_t)r_hi * kHidden + kWarps * 32 * j);
-    }
-  }
-  asm volatile("cp.async.commit_group;");
-}
-
-__device__ void task_router_ring(const Params& p, const Task& t, unsigned char* smem) {
-  GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
-  const uint4* ring = reinterpret_cast<const uint4*>(smem + kMoeRingOffset);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-  const bf16* act = p.h + (size_t)g * kHidden + warp * 32 + 8 * tq;
-  uint4 xa[kRouterSteps];  // all of this lane's h pieces in one round trip
-#pragma unroll
-  for (int j = 0; j < kRouterSteps; ++j)
-    xa[j] = g < p.batch_size && warp + kWarps * j < kHidden / 32 ? load_act16(act + kWarps * 32 * j)
-                                                                  : make_uint4(0, 0, 0, 0);
-  asm volatile("cp.async.wait_group 0;" ::: "memory");  // this lane's own slots of the tile
-  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-  for (int j = 0; j < kRouterSteps; ++j)
-    if (warp + kWarps * j < kHidden / 32) {
-      const uint4* slot = ring + (size_t)j * 2 * kThreads + threadIdx.x;
-      mma_piece(acc[0], slot[0], slot[kThreads], xa[j]);
-    }
-  reduce_warps<1>(acc, s.red, s.out);
-  router_epilogue(p, t.layer, t.arg[0], s.out);
-  __syncthreads();  // the ring's memory is free for the next task
 }
 
 // ====  12. Tasks: DENSE_UP and DENSE_DOWN  =====================================================
@@ -1582,8 +1556,8 @@ __device__ void task_sample(const Params& p, const Task& t, unsigned char* smem)
 }
 
 // ====  15. Dispatcher  =========================================================================
-//   One block per SM walks tasks[task_start[block] .. task_start[block+1]): prefetch the task's
-//   first weights into L2, wait, compute, signal. An aborted step (status != 0) skips the compute.
+//   One block per SM walks tasks[task_start[block] .. task_start[block+1]): start the task's first
+//   loads (into L2, or its ring), wait, compute, signal. An aborted step (status != 0) skips the compute.
 __device__ void prefetch_task_weights(const Params& p, const Task& t) {
   const bf16* w = nullptr;
   size_t bytes = 0;
@@ -1593,9 +1567,6 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
       : R < kQSize + kKvSize ? layer_ptr(p, t.layer, LP_K) + (size_t)(R - kQSize) * kHidden
                              : layer_ptr(p, t.layer, LP_V) + (size_t)(R - kQSize - kKvSize) * kHidden;
     bytes = (size_t)16 * kHidden * 2;  // the first tile (a task's tiles can straddle q/k/v)
-  } else if (t.type == TASK_ROUTER) {
-    w = layer_ptr(p, t.layer, LP_ROUTER) + (size_t)t.arg[0] * 16 * kHidden;
-    bytes = (size_t)min(t.arg[1] * 16, kExperts - t.arg[0] * 16) * kHidden * 2;
   } else if (t.type == TASK_DENSE_UP) {
     w = layer_ptr(p, t.layer, LP_GATE) + (size_t)t.arg[0] * 16 * kHidden;
     bytes = (size_t)t.arg[1] * 16 * kHidden * 2;
@@ -1605,9 +1576,6 @@ __device__ void prefetch_task_weights(const Params& p, const Task& t) {
   } else if (t.type == TASK_LM_HEAD) {
     w = p.lm_head + (size_t)t.arg[0] * 32 * kHidden;
     bytes = (size_t)min(t.arg[1] * 32, kVocab - t.arg[0] * 32) * kHidden * 2;
-  } else if (t.type == TASK_OPROJ) {
-    w = layer_ptr(p, t.layer, LP_O) + (size_t)t.arg[0] * 16 * kQSize;
-    bytes = (size_t)t.arg[1] * 16 * kQSize * 2;
   } else if (t.type == TASK_DENSE_DOWN) {
     w = layer_ptr(p, t.layer, LP_DOWN) + (size_t)t.arg[0] * 32 * kDenseWidth;
     bytes = (size_t)t.arg[1] * 32 * kDenseWidth * 2;
@@ -1642,14 +1610,13 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
     const Task t = task[i & 1];
     if (i + 1 < p.task_start[blockIdx.x + 1]) copy_task_record(p, i + 1, &task[(i + 1) & 1]);  // read above, by all
     if (threadIdx.x == 0 && p.profile) p.profile[3 * i] = global_ns();
-    if (t.type == TASK_ATTN && !(p.flags & NC_FLAG_NO_KV_PRELOAD)) attn_preload(p, t, smem);  // KV before q
-    const bool oproj_ring = t.type == TASK_OPROJ && (p.flags & NC_FLAG_OPROJ_RING);
-    const bool router_ring = t.type == TASK_ROUTER && t.arg[1] == 1;
-    if (oproj_ring) oproj_ring_prologue(p, t, smem);  // o_proj's ring: its first loads before the wait
-    else if (router_ring) router_ring_prologue(p, t, smem);  // the router tile's weight, whole, before the wait
-    else if (p.flags & NC_FLAG_PREFETCH_CURRENT) prefetch_task_weights(p, t);
-    if ((p.flags & NC_FLAG_PREFETCH_NEXT) && i + 1 < p.task_start[blockIdx.x + 1])
-      prefetch_task_weights(p, p.tasks[i + 1]);  // HBM keeps streaming while this task waits
+    // before the wait: the KV pages that do not depend on this step, o_proj's first ring steps, the router tile's
+    // weight; the other tasks' first weights into L2 (the next task's too, queued up to 256 KB of prefetches a
+    // block in front of the critical path's loads: 5% slower at B = 1)
+    if (t.type == TASK_ATTN) attn_preload(p, t, smem);
+    else if (t.type == TASK_OPROJ) oproj_prologue(p, t, smem);
+    else if (t.type == TASK_ROUTER) router_prologue(p, t, smem);
+    else prefetch_task_weights(p, t);
     // The status load goes out with the wait's first counter load instead of after it (one round trip less per task
     // where the dependency is met, ~0.7 us). A failure that comes during the wait then stops the block's next task,
     // not this one, which runs on whatever its inputs hold (indices stay in range: expert ids and slot counts are
@@ -1668,8 +1635,8 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
         case TASK_QKV: task_qkv(p, t, smem); break;
         case TASK_ATTN: task_attn(p, t, smem); break;
         case TASK_COMBINE: task_combine(p, t, smem); break;
-        case TASK_OPROJ: if (p.flags & NC_FLAG_OPROJ_RING) task_oproj_ring(p, t, smem); else task_oproj(p, t, smem); break;
-        case TASK_ROUTER: if (router_ring) task_router_ring(p, t, smem); else task_router(p, t, smem); break;
+        case TASK_OPROJ: task_oproj(p, t, smem); break;
+        case TASK_ROUTER: task_router(p, t, smem); break;
         case TASK_TOPK: task_topk(p, t, smem); break;
         case TASK_MOE_UP: task_moe_up(p, t, smem); break;
         case TASK_MOE_DOWN: task_moe_down(p, t, smem); break;
@@ -1687,21 +1654,13 @@ __global__ void __launch_bounds__(kThreads, 1) nc_decode_kernel(const __grid_con
   }
 }
 
-// Shared memory every launch has: the largest task layout but the attention ring, plus one ring stage.
+// Dynamic shared memory of a launch: the largest task layout.
 constexpr size_t size_max(size_t a, size_t b) { return a > b ? a : b; }
-constexpr size_t kBaseSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
-                                           size_max(sizeof(SampleSmem), offsetof(AttnSmem, kv) + sizeof(KvStage)));
+constexpr size_t kSmemBytes = size_max(size_max(kMoeSmemBytes, sizeof(TopkSmem)),
+                                       size_max(sizeof(SampleSmem), sizeof(AttnSmem)));
 
 // ====  16. C ABI  ==============================================================================
 static char g_last_error[512] = "";
-
-// Dynamic shared memory of a launch whose attention ring has `stages` stages (1..kStages): the ring is the
-// tail of AttnSmem, so fewer stages leave more of the SM's 256 KB to the L1 cache.
-static int smem_bytes_for(int stages) {
-  const size_t ring = offsetof(AttnSmem, kv) + (size_t)stages * sizeof(KvStage);
-  return (int)(ring > kBaseSmemBytes ? ring : kBaseSmemBytes);
-}
-
 
 static int fail(const char* what, cudaError_t err) {
   snprintf(g_last_error, sizeof(g_last_error), "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
@@ -1722,9 +1681,6 @@ extern "C" int nc_geometry(int* out, int n) {
   for (int i = 0; i < n && i < count; ++i) out[i] = g[i];
   return count;
 }
-// The most stages the attention ring may have (Params.kv_stages) and the shared memory a launch with them takes.
-extern "C" int nc_max_kv_stages(void) { return kStages; }
-extern "C" int nc_smem_bytes(int stages) { return smem_bytes_for(stages); }
 // The last error's message (static storage; valid until the next failing call).
 extern "C" const char* nc_last_error(void) { return g_last_error; }
 
@@ -1744,22 +1700,21 @@ static int init_kernel(const void* kernel, int bytes, const char* name) {
 
 // Prepares the kernel for its largest launch; 0 ok, -1 error (see nc_last_error).
 extern "C" int nc_init(void) {
-  return init_kernel((const void*)nc_decode_kernel, smem_bytes_for(kStages), "decode");
+  return init_kernel((const void*)nc_decode_kernel, (int)kSmemBytes, "decode");
 }
 
 // Zeroes the counters and launches one decode step on `stream` (a cudaStream_t); returns at once.
 // 0 ok, -1 error. Device-side failures (timeouts, bad pages or tokens) land in p->status.
 extern "C" int nc_decode_step(const Params* p, void* stream) {
-  if (p == nullptr || p->num_blocks <= 0 || p->batch_size <= 0 || p->batch_size > kMaxBatch || p->kv_stages < 1 ||
-      p->kv_stages > kStages) {
-    snprintf(g_last_error, sizeof(g_last_error), "nc_decode_step: bad params (num_blocks %d, batch_size %d, kv_stages %d of 1..%d)",
-             p ? p->num_blocks : -1, p ? p->batch_size : -1, p ? p->kv_stages : -1, kStages);
+  if (p == nullptr || p->num_blocks <= 0 || p->batch_size <= 0 || p->batch_size > kMaxBatch) {
+    snprintf(g_last_error, sizeof(g_last_error), "nc_decode_step: bad params (num_blocks %d, batch_size %d)",
+             p ? p->num_blocks : -1, p ? p->batch_size : -1);
     return -1;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(p->counters, 0, sizeof(unsigned) * (size_t)p->num_counters, s);
   if (err != cudaSuccess) return fail("cudaMemsetAsync(counters)", err);
-  nc_decode_kernel<<<p->num_blocks, kThreads, smem_bytes_for(p->kv_stages), s>>>(*p);
+  nc_decode_kernel<<<p->num_blocks, kThreads, (int)kSmemBytes, s>>>(*p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return fail("nc_decode_kernel launch", err);
   return 0;

@@ -1,1 +1,1 @@
-"""The decode megakernel: build and bind csrc/megakernel.cu, its task lists and variants, and its engine backend."""
+"""The decode megakernel: build and bind csrc/megakernel.cu, its task lists, and its engine backend."""

@@ -1,7 +1,7 @@
 """The decode megakernel from Python: build csrc/megakernel.cu, check its C ABI, build task lists, run steps.
 
 `build_library(config)` compiles the .cu for the checkpoint's geometry (compile-time constants) into a
-cache under paths.data_dir()/kernels keyed by a hash of source, geometry, flags and nvcc version;
+cache under paths.data_dir()/kernels keyed by a hash of source, geometry, nvcc flags and nvcc version;
 `Megakernel` owns the library, the scratch buffers and the per-(batch, splits) task lists
 (tasks.py builds them), and launches one step per call on the current stream without
 waiting for it; backend.py's `MegakernelBackend` is the engine's decode backend over it.
@@ -17,7 +17,6 @@ import os
 import shutil
 import struct
 import subprocess
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,20 +24,15 @@ import torch
 
 from northcode import paths
 from northcode.config import ModelConfig
-from northcode.megakernel.tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, WAVE_ORDERS, Schedule,
-                                        TaskType, attention_splits, build_schedule, flatten, make_task,
-                                        place_waves, summarize_profile)
-from northcode.megakernel.variants import (FLAG_NO_KV_PRELOAD, FLAG_PREFETCH_CURRENT, FLAG_PREFETCH_NEXT,
-                                           VARIANTS, Variant, variant_from_env)
+from northcode.megakernel.tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, Schedule, TaskType, attention_splits,
+                                        build_schedule, flatten, make_task, place_waves, summarize_profile)
 from northcode.torch_backend.launch import to_device
 
-__all__ = ["FLAG_NO_KV_PRELOAD", "FLAG_PREFETCH_CURRENT", "FLAG_PREFETCH_NEXT", "VARIANTS",
-           "Megakernel", "RowSpec", "Schedule", "Variant", "variant_from_env", "TaskType",
-           "attention_splits", "build_library", "raise_for_status",
+__all__ = ["Megakernel", "RowSpec", "Schedule", "TaskType", "attention_splits", "build_library", "raise_for_status",
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
-           "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS", "WAVE_ORDERS"]
+           "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS"]
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "megakernel.cu"
 NVCC_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
@@ -106,70 +100,19 @@ def find_nvcc() -> str:
     raise RuntimeError("megakernel: nvcc not found (put it on PATH or set CUDA_HOME)")
 
 
-# compile-time knobs for experiments (the .cu's defaults otherwise; docs/performance.md says what each tests)
-TUNING_DEFINES = ("NC_MOE_STAGES", "NC_STREAM_PATTERN", "NC_MOE_EVICT_FIRST", "NC_KV_EVICT_FIRST", "NC_MOE_PACKED",
-                  "NC_MOE_ROWSEG", "NC_QKV_PREFETCH", "NC_MOE_DOWNROWS", "NC_RECORD_AHEAD",
-                  "NC_STATUS_EARLY")
-PACKED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # NC_MOE_PACKED: repacked copies
-# id(source) -> (source's version counter, repacked copy): Megakernels on the same weights share the copy, an
-# in-place change of the source makes a new one, and a freed source drops its entry (weakref.finalize)
-_packed_cache: dict[int, tuple[int, torch.Tensor]] = {}
-
-
-def packed_copy(source: torch.Tensor) -> torch.Tensor:
-    """pack_row_blocks(source), made once per source tensor and version."""
-    version, packed = _packed_cache.get(id(source), (None, None))
-    if version != source._version:
-        if version is None:
-            weakref.finalize(source, _packed_cache.pop, id(source), None)
-        version, packed = source._version, pack_row_blocks(source)
-        _packed_cache[id(source)] = (version, packed)
-    return packed
-
-
-def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """[..., R, K] -> the same shape, each 16-row block stored chunk-major: the 16 rows x 32 columns of chunk c
-    contiguous (what NC_MOE_PACKED's ring reads: a warp copy 512 contiguous bytes instead of 8 pieces of 64 B)."""
-    *lead, rows, cols = weight.shape
-    if rows % 16 or cols % 32:
-        raise ValueError(f"pack_row_blocks: shape {tuple(weight.shape)}: rows must be a multiple of 16, columns of 32")
-    blocks = weight.reshape(*lead, rows // 16, 16, cols // 32, 32)
-    return blocks.transpose(-3, -2).contiguous().view(weight.shape)
-
-
-def tuning_defines() -> dict[str, int]:
-    """NORTHCODE_MEGAKERNEL_TUNING="NC_MOE_STAGES=10,...": compile-time knobs for experiments that no run
-    variant can express (one build per value: compare them in separate processes); empty by default."""
-    text = os.environ.get("NORTHCODE_MEGAKERNEL_TUNING", "").strip()
-    chosen = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, value = item.partition("=")
-        if name not in TUNING_DEFINES or not value.strip().isdigit():
-            raise ValueError(f"NORTHCODE_MEGAKERNEL_TUNING: {item!r}: expected NAME=INTEGER, NAME one of "
-                             f"{', '.join(TUNING_DEFINES)}")
-        chosen[name] = int(value)
-    return chosen
-
-
-def nvcc_command(config: ModelConfig, output: Path, extra_flags: tuple[str, ...] = (),
-                 variant_defines: dict[str, int] | None = None) -> list[str]:
-    """variant_defines: Variant.build_defines() (a variant that needs its own build)."""
-    defines = [f"-D{k}={v}" for k, v in {**geometry(config), **tuning_defines(), **(variant_defines or {})}.items()]
+def nvcc_command(config: ModelConfig, output: Path, extra_flags: tuple[str, ...] = ()) -> list[str]:
+    defines = [f"-D{k}={v}" for k, v in geometry(config).items()]
     return [find_nvcc(), *NVCC_FLAGS, *extra_flags, *defines, "-o", str(output), str(SOURCE)]
 
 
-def build_library(config: ModelConfig, cache_dir: Path | None = None,
-                  variant_defines: dict[str, int] | None = None) -> Path:
-    """Compile (first use) and return the shared library for this geometry (and variant build); builds are
-    cached and locked."""
+def build_library(config: ModelConfig, cache_dir: Path | None = None) -> Path:
+    """Compile (first use) and return the shared library for this geometry; builds are cached and locked."""
     reason = unsupported_reason(config)
     if reason:
         raise ValueError(f"megakernel: unsupported model: {reason}")
     nvcc = find_nvcc()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    variant_defines = dict(sorted((variant_defines or {}).items()))
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((geometry(config), NVCC_FLAGS, version, tuning_defines(),
-                                                     variant_defines)).encode()).hexdigest()[:20]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((geometry(config), NVCC_FLAGS, version)).encode()).hexdigest()[:20]
     cache_dir = cache_dir or paths.data_dir() / "kernels"
     cache_dir.mkdir(parents=True, exist_ok=True)
     library = cache_dir / f"megakernel-{key}.so"
@@ -180,8 +123,7 @@ def build_library(config: ModelConfig, cache_dir: Path | None = None,
         if library.is_file():
             return library
         partial = library.with_suffix(f".tmp{os.getpid()}")
-        result = subprocess.run(nvcc_command(config, partial, variant_defines=variant_defines), capture_output=True,
-                                text=True)
+        result = subprocess.run(nvcc_command(config, partial), capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"megakernel: nvcc failed for {SOURCE}:\n{result.stderr[-4000:]}")
         partial.rename(library)
@@ -201,7 +143,7 @@ class Params(ctypes.Structure):
                 ("k_pool", _U64), ("v_pool", _U64), ("block_tables", _U64), ("num_pages", _I64),
                 ("max_seqs", _I32), ("max_pages_per_seq", _I32), ("tasks", _U64), ("task_start", _U64),
                 ("num_blocks", _I32), ("batch_size", _I32), ("counters", _U64), ("num_counters", _I32),
-                ("flags", _I32), ("kv_stages", _I32), ("rows", _U64), ("tokens", _U64), ("status", _U64),
+                ("rows", _U64), ("tokens", _U64), ("status", _U64),
                 *[(name, _U64) for name in SCRATCH_FIELDS], ("profile", _U64),
                 ("norm_eps", _F32), ("logit_scale", _F32), ("timeout_ns", _I64), ("trace_x", _U64),
                 ("trace_router", _U64)]
@@ -265,12 +207,6 @@ class RowSpec:
                            temperature, self.top_p, self.min_p, 0.0)
 
 
-def _variant(name: str) -> Variant:
-    if name not in VARIANTS:
-        raise ValueError(f"megakernel: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
-    return VARIANTS[name]
-
-
 class Megakernel:
     """One model's megakernel on one GPU: weights, KV pools and block tables by pointer, scratch owned here.
 
@@ -281,21 +217,16 @@ class Megakernel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], k_pool: torch.Tensor,
                  v_pool: torch.Tensor, block_tables: torch.Tensor, num_blocks: int | None = None,
-                 timeout_s: float = 20.0, variant: str = "default", row_buffers: int = 8) -> None:
+                 timeout_s: float = 20.0, row_buffers: int = 8) -> None:
         """row_buffers: pinned staging buffers of the row states, used in turn; a launch waits for the copy out
         of the buffer it reuses (row_buffers launches back). Twice a step's launches: a step enqueued while the
         previous one runs never waits."""
         from northcode.model.model import rope_inv_freq
 
         self.config, self.device = config, k_pool.device
-        self.build_defines = _variant(variant).build_defines()  # the build every later variant must share
-        self.lib = load_library(build_library(config, variant_defines=self.build_defines), config)
+        self.lib = load_library(build_library(config), config)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self._weights = self._check_weights(weights)
-        if tuning_defines().get("NC_MOE_PACKED"):
-            for name, tensor in self._weights.items():
-                if name.endswith(PACKED_EXPERTS):
-                    self._weights[name] = packed_copy(tensor)
         self.layer_ptrs = torch.tensor(self._layer_pointers(), dtype=torch.int64, device=self.device)
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
         self._allocate_scratch()
@@ -306,25 +237,12 @@ class Megakernel:
             status=self.io[MAX_BATCH:].data_ptr(), norm_eps=config.norm_eps, logit_scale=config.logit_scale,
             timeout_ns=int(timeout_s * 1e9), **{name: getattr(self, name).data_ptr() for name in SCRATCH_FIELDS})
         self.set_cache(k_pool, v_pool, block_tables)
-        self._schedules: dict[tuple, Schedule] = {}
-        self.set_variant(variant)
+        self._schedules: dict[tuple[int, ...], Schedule] = {}  # (batch, *splits) -> the step's task lists
         self.trace_x = self.trace_router = None  # enable_trace() allocates them
         row_bytes = MAX_BATCH * struct.calcsize(ROW_FORMAT)
         self._rows_host = [torch.zeros(row_bytes, dtype=torch.uint8).pin_memory() for _ in range(row_buffers)]
         self._rows_copied = [torch.cuda.Event() for _ in range(row_buffers)]  # rewritten only after its copy
         self._rows_turn = 0
-
-    def set_variant(self, name: str) -> None:
-        """Run later steps as VARIANTS[name] (flags and schedule options); "default" is the tested path. A variant
-        with another build (Variant.build_defines) needs its own Megakernel."""
-        variant = _variant(name)
-        if variant.build_defines() != self.build_defines:
-            raise ValueError(f"megakernel: variant {name!r} runs on another build of the kernel than this one's "
-                             f"({variant.build_defines() or 'the default'}); make a Megakernel with "
-                             f"variant={name!r}")
-        self.variant_name, self.variant = name, variant
-        self.params.flags = self.variant.flags
-        self.params.kv_stages = min(self.variant.kv_stages, self.lib.nc_max_kv_stages())
 
     def _check_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         checked = {}
@@ -359,8 +277,7 @@ class Megakernel:
         c, dev, b = self.config, self.device, MAX_BATCH
         group_width = c.num_attention_heads // c.num_key_value_heads * c.head_dim
         f32, bf16 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.bfloat16, device=dev)
-        x_buffers = 2 if self.build_defines.get("NC_NORM_LOCAL") else 1  # norm-local: x by layer parity
-        self.x, self.h = torch.zeros(x_buffers * b, c.hidden_size, **f32), torch.zeros(b, c.hidden_size, **bf16)
+        self.x, self.h = torch.zeros(b, c.hidden_size, **f32), torch.zeros(b, c.hidden_size, **bf16)
         self.q, self.attn_out = torch.zeros(b, c.q_size, **bf16), torch.zeros(b, c.q_size, **bf16)
         self.attn_partial = torch.zeros(b, c.num_key_value_heads, MAX_SPLITS, group_width, **f32)
         self.attn_ml = torch.zeros(b, c.num_key_value_heads, MAX_SPLITS, group_width // c.head_dim, 2, **f32)
@@ -401,11 +318,10 @@ class Megakernel:
     def schedule(self, batch: int, context: int) -> Schedule:
         """The (cached) task lists for this batch size and longest context; a new one goes up through pinned
         memory without a sync (a longer context's first step does not stall the pipelined engine)."""
-        v = self.variant
-        splits = attention_splits(self.config, batch, self.num_blocks, context, v.max_splits)
-        key = (batch, splits, v)
+        splits = attention_splits(self.config, batch, self.num_blocks, context)
+        key = (batch, *splits)
         if key not in self._schedules:
-            s = build_schedule(self.config, batch, self.num_blocks, splits, **v.schedule_options())
+            s = build_schedule(self.config, batch, self.num_blocks, splits)
             self._schedules[key] = Schedule(to_device(s.tasks, self.device), to_device(s.task_start, self.device),
                                             s.num_counters, s.num_lm_tasks)
         return self._schedules[key]
@@ -447,7 +363,7 @@ class Megakernel:
 
     def profile_step(self, rows: list[RowSpec], tokens: torch.Tensor | None = None) -> dict:
         """Run one step with per-task timestamps and return summarize_profile's breakdown (synchronises), with
-        the raw record under "raw" (CPU tensors: tasks, task_start, times; bench/profile_report.py reads it)."""
+        the raw record under "raw" (CPU tensors: tasks, task_start, times; lab/profile_report.py reads it)."""
         schedule = self.schedule(len(rows), max(r.position for r in rows))
         times = torch.zeros(schedule.tasks.shape[0], 3, dtype=torch.int64, device=self.device)
         self.params.profile = times.data_ptr()

@@ -1,10 +1,10 @@
 """The megakernel's machine code read with nvdisasm (CUDA's disassembler; the pip wheel nvidia-cuda-nvdisasm where
 the toolkit has none), for faults the compiler lets through and only a GPU would meet.
 
-Run 89 (docs/performance.md): ptxas 13.0 placed the 64-bit L2-policy descriptor of 32 cp.async copies in an odd
-uniform register (`LDGSTS.E.BYPASS.128 [R6+UR0+0x2800], desc[UR1][R30.64]`) in the tiny norm-local build; the GPU
-stops there with "an illegal instruction was encountered" (compute-sanitizer named the copy). Every other build
-keeps its descriptors in even registers. The compile test disassembles each build and looks.
+ptxas 13.0 once placed the 64-bit L2-policy descriptor of 32 cp.async copies in an odd uniform register
+(`LDGSTS.E.BYPASS.128 [R6+UR0+0x2800], desc[UR1][R30.64]`) in an experimental build of the kernel; the GPU stopped
+there with "an illegal instruction was encountered" (compute-sanitizer named the copy), and nothing before the GPU
+noticed. The compile test disassembles each geometry's build and looks.
 """
 
 from __future__ import annotations

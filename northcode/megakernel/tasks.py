@@ -26,14 +26,10 @@ MAX_SPLITS = 32  # NC_MAX_SPLITS: attention splits per (row, KV head)
 HALF_SM_SPLIT_TOKENS = 8192 + 64  # a layer's span up to which its attention splits fill half the SMs (8K measured)
 PAGE_SIZE = 64
 TASK_WORDS = 16
-# Where a sparse layer's MoE drains sit relative to attention and its tail (COMBINE, OPROJ) in every list:
-# attention-first: ATTN, UP, COMBINE, DOWN, OPROJ; moe-first: UP, ATTN, DOWN, COMBINE, OPROJ;
-# tail-early: ATTN, COMBINE, UP, OPROJ, DOWN (o_proj streams between the up and down phases, not after);
-# oproj-before-down: ATTN, UP, COMBINE, OPROJ, DOWN.
-WAVE_ORDERS = ("attention-first", "moe-first", "tail-early", "oproj-before-down")
-# combine_apart: a sparse layer's COMBINE tasks go to the last blocks, which take no MoE up tiles, so the combine
-# runs as soon as attention is done instead of after an up share (run 21: 5.6 us late at B=1). Only while the
-# COMBINE tasks are few (batch x KV heads): every excluded block lengthens the others' up shares.
+QKV_TILES = 2  # 16-row tiles per QKV task, multiplied together (twice the loads in flight: 3% faster at B = 1)
+# A sparse layer's COMBINE tasks go to the last blocks, which take no MoE up tiles, so the combine runs as soon as
+# attention is done instead of after an up share (it started 5.6 us late at B = 1). Only while the COMBINE tasks
+# are few (batch x KV heads): every excluded block lengthens the others' up shares.
 COMBINE_APART_MAX = 8
 
 
@@ -87,8 +83,7 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
     wave puts one copy on every block (the drains); an ("apart", tasks) wave is placed like a plain one, and
     the next plain wave skips the blocks it used while other blocks remain (the router's and top-k's blocks
     get no QKV tile: the MoE chain runs through them); a ("last", tasks) wave puts its n tasks on the last n
-    blocks, in order, and moves no cursor (combine_apart); a ("tail", m, tasks) wave puts task i on block
-    num_blocks - m + i % m and moves no cursor (attention_blocks)."""
+    blocks, in order, and moves no cursor (COMBINE_APART_MAX)."""
     lists: list[list[list[int]]] = [[] for _ in range(num_blocks)]
     cursor, avoid = 0, set()
     for wave in waves:
@@ -100,12 +95,6 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
             assert len(wave[1]) <= num_blocks
             for i, task in enumerate(wave[1]):
                 lists[num_blocks - len(wave[1]) + i].append(task)
-            continue
-        if isinstance(wave, tuple) and wave[0] == "tail":
-            m = wave[1]
-            assert 1 <= m <= num_blocks
-            for i, task in enumerate(wave[2]):
-                lists[num_blocks - m + i % m].append(task)
             continue
         apart = isinstance(wave, tuple)
         tasks = wave[1] if apart else wave
@@ -121,17 +110,15 @@ def place_waves(waves: list, num_blocks: int) -> list[list[list[int]]]:
     return lists
 
 
-def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int,
-                     max_splits: int = MAX_SPLITS) -> tuple[int, ...]:
+def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: int) -> tuple[int, ...]:
     """KV splits per layer: as many (row, head, split) tasks as fit on the SMs in one round, on half of them for
-    a layer whose span is at most HALF_SM_SPLIT_TOKENS (run 59, at 8K: -2.2/-2.4/-2.8/-1.9% at batch 1/2/4/8
-    against all of them: the other half streams the MoE experts sooner and the combine merges fewer partials; a
-    quarter was slower; longer spans, where attention's bytes grow, keep all the SMs: not measured), and for short
-    contexts about as many as pages, rounded up to a power of two: the task lists are cached per split tuple
-    (about 10 ms of Python and an upload each), so a context that grows by a page must not ask for new ones
-    (empty splits cost nothing). max_splits: a variant's cap (at most MAX_SPLITS, the kernel's)."""
-    all_sms = min(max_splits, MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
-    half_sms = min(max_splits, MAX_SPLITS, max(1, num_blocks // (2 * batch * config.num_key_value_heads)))
+    a layer whose span is at most HALF_SM_SPLIT_TOKENS (at 8K, 1.9-2.8% faster at batch 1/2/4/8 than all of them:
+    the other half streams the MoE experts sooner and the combine merges fewer partials; a quarter was slower;
+    longer spans, where attention's bytes grow, keep all the SMs: not measured), and for short contexts about as
+    many as pages, rounded up to a power of two: the task lists are cached per split tuple (about 10 ms of Python
+    and an upload each), so a context that grows by a page must not ask for new ones (empty splits cost nothing)."""
+    all_sms = min(MAX_SPLITS, max(1, num_blocks // (batch * config.num_key_value_heads)))
+    half_sms = min(MAX_SPLITS, max(1, num_blocks // (2 * batch * config.num_key_value_heads)))
     splits = []
     for layer in range(config.num_hidden_layers):
         window = config.window(layer)
@@ -145,8 +132,7 @@ def attention_splits(config: ModelConfig, batch: int, num_blocks: int, context: 
 class _WaveSpec(NamedTuple):
     """One wave for build_schedule: n tasks, task i = row + pattern[i]."""
 
-    mode: str  # "plain" | "apart" | "each" | "last" | "tail:m": place_waves' wave kinds ("each": n is 1, one copy per
-    # block; "tail:m": round-robin over the last m blocks)
+    mode: str  # "plain" | "apart" | "each" | "last": place_waves' wave kinds ("each": n is 1, one copy per block)
     row: list[int]  # make_task record: the fixed fields, and the offsets of the varying ones
     n: int
     pattern: torch.Tensor  # int32 [n, 16], zero but in the varying fields; shared, e.g. by every layer's QKV wave
@@ -156,7 +142,7 @@ class _WaveMaker:
     """Makes one build's _WaveSpecs; holds the per-task index tensors (int64 [n]) and the patterns built from
     them, so that a wave costs a make_task call and a dictionary look-up."""
 
-    def __init__(self, c: ModelConfig, batch: int, qkv_tiles: int, q_tiles: int | None = None) -> None:
+    def __init__(self, c: ModelConfig, batch: int) -> None:
         self.batch, self.kvh = batch, c.num_key_value_heads
         self.oproj_tiles = c.hidden_size // 16
         group, d = c.num_attention_heads // self.kvh, c.head_dim
@@ -164,9 +150,8 @@ class _WaveMaker:
         for g in range(self.kvh):  # a task's tiles never straddle a KV group, so attention waits per group
             for first, count in ((g * group * d // 16, group * d // 16), ((c.q_size + g * d) // 16, d // 16),
                                  ((c.q_size + c.kv_size + g * d) // 16, d // 16)):
-                per_task = (q_tiles or qkv_tiles) if first < c.q_size // 16 else qkv_tiles  # query rows: q_tiles
-                for tile in range(first, first + count, per_task):
-                    tiles.append(tile), counts.append(min(per_task, first + count - tile)), groups.append(g)
+                for tile in range(first, first + count, QKV_TILES):
+                    tiles.append(tile), counts.append(min(QKV_TILES, first + count - tile)), groups.append(g)
         self.qkv_tile, self.qkv_count, self.qkv_group = (torch.tensor(x) for x in (tiles, counts, groups))
         self.group_tasks = torch.bincount(self.qkv_group, minlength=self.kvh)  # [kvh]: QKV tasks per group
         self.heads = torch.arange(batch * self.kvh)  # (row, KV head) pairs: b * kvh + g
@@ -206,96 +191,64 @@ class _WaveMaker:
 
 
 def _attention_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, qkv_waits: tuple,
-                     num_splits: int, combine_mode: str = "plain", attn_mode: str = "plain",
-                     norm_local: tuple | None = None) -> tuple[list, tuple[int, int]]:
-    """One layer's QKV (waiting on qkv_waits), ATTN (placed as attn_mode says), COMBINE (as combine_mode says) and
-    OPROJ waves; also allocates the layer's MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)),
-    in the counters' reference order. norm_local (the NC_NORM_LOCAL build): (QKV normalises x itself, the wait
-    that orders o_proj after the x buffer's zeroing)."""
+                     num_splits: int, combine_mode: str) -> tuple[list, tuple[int, int]]:
+    """One layer's QKV (waiting on qkv_waits), ATTN, COMBINE (placed as combine_mode says) and OPROJ waves; also
+    allocates the layer's MLP counter (returned with the o_proj counter: (oproj_done, mlp_done)), in the counters'
+    reference order."""
     batch, kvh = m.batch, m.kvh
     qkv_done = counters.alloc(kvh)
     qkv_args = ((0, m.qkv_tile), (0, m.qkv_count), int(c.uses_rope(layer)))
-    if norm_local:
-        qkv_args += (int(norm_local[0]),)
     qkv = m.wave("plain", TaskType.QKV, layer, len(m.qkv_tile), qkv_args, qkv_waits, (qkv_done, m.qkv_group))
     attn_done = counters.alloc(batch * kvh)
     combine_done, oproj_done, mlp_done = counters.alloc(), counters.alloc(), counters.alloc()
     b, g, s, head, group_tasks = m.attention(num_splits)
-    attn = m.wave(attn_mode, TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, c.window(layer) or 0),
+    attn = m.wave("plain", TaskType.ATTN, layer, len(b), ((0, b), (0, g), (0, s), num_splits, c.window(layer) or 0),
                   (((qkv_done, g), (0, group_tasks)),), (attn_done, head))
     combine = m.wave(combine_mode, TaskType.COMBINE, layer, batch * kvh, ((0, m.head_row), (0, m.head_group), num_splits),
                      (((attn_done, m.heads), num_splits),), combine_done)
-    oproj_args, oproj_waits = ((0, m.arange(m.oproj_tiles)), 1), ((combine_done, batch * kvh),)
-    if norm_local:  # arg2: add bf16(x read) with the result; after the zeroing of the x it adds into
-        oproj_args, oproj_waits = oproj_args + (1,), oproj_waits + (norm_local[1],)
-    oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, oproj_args, oproj_waits, oproj_done)
+    oproj = m.wave("plain", TaskType.OPROJ, layer, m.oproj_tiles, ((0, m.arange(m.oproj_tiles)), 1),
+                   ((combine_done, batch * kvh),), oproj_done)
     return [qkv, attn, combine, oproj], (oproj_done, mlp_done)
 
 
 def _layer_waves(c: ModelConfig, layer: int, m: _WaveMaker, counters: _Counters, previous: tuple, num_splits: int,
-                 order: str, num_blocks: int, combine_apart: bool = False, up_claims: bool = False,
-                 moe_fused: bool = False, attention_blocks: int = 0, norm_local: bool = False) -> tuple[list, tuple]:
-    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on.
-    attention_blocks: a sparse layer's ATTN tasks on the last that many blocks, which take no MoE up tile.
-    norm_local (the NC_NORM_LOCAL build): sparse layers after the first have no NORM task (QKV and ROUTER
-    normalise x, waiting on the previous layer as NORM did); every layer's ROUTER (DENSE_UP) tasks zero the x it
-    adds into, and o_proj waits for them."""
-    dense, up_tiles = c.is_dense(layer), c.dense_intermediate_size // 16
-    router_tiles = math.ceil(c.num_experts / 16)
-    local = norm_local and layer > 0 and not dense
-    zeroers = None
-    if norm_local:  # the zeroing tasks' counter first: o_proj waits on it
-        zeroers = (counters.alloc(), up_tiles if dense else router_tiles)
-    waves, norm_waits = [], previous
-    if not local:
-        norm_done = counters.alloc()
-        waves.append(m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done))
-        norm_waits = ((norm_done, m.batch),)
-    apart = combine_blocks_apart(c, m.batch, num_blocks, combine_apart and not dense)
-    attn_blocks = 0 if dense else min(attention_blocks, num_blocks // 2)  # half the blocks stream up tiles
+                 num_blocks: int) -> tuple[list, tuple]:
+    """One layer's wave specs in list order (_WaveMaker.wave), and what the next layer's norm waits on."""
+    norm_done = counters.alloc()
+    norm = m.wave("plain", TaskType.NORM, layer, m.batch, ((0, m.arange(m.batch)),), previous, norm_done)
+    norm_waits = ((norm_done, m.batch),)
+    dense = c.is_dense(layer)
+    apart = 0 if dense else combine_blocks_apart(c, m.batch, num_blocks)
     (qkv, attn, combine, oproj), (oproj_done, mlp_done) = _attention_waves(
-        c, layer, m, counters, norm_waits, num_splits, "last" if apart else "plain",
-        f"tail:{attn_blocks}" if attn_blocks else "plain", (local, zeroers) if norm_local else None)
-    no_up = max(apart, attn_blocks)  # the last blocks that take no up tile
-    oproj_tiles = oproj.n
+        c, layer, m, counters, norm_waits, num_splits, "last" if apart else "plain")
     if dense:
-        up_done = zeroers[0] if zeroers else counters.alloc()
-        down_tiles = c.hidden_size // 32
-        up_args = ((0, m.arange(up_tiles)), 1) + ((up_tiles,) if norm_local else ())  # arg2: zero a slice of x
-        up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, up_args, norm_waits, up_done)
+        up_done = counters.alloc()
+        up_tiles, down_tiles = c.dense_intermediate_size // 16, c.hidden_size // 32
+        up = m.wave("plain", TaskType.DENSE_UP, layer, up_tiles, ((0, m.arange(up_tiles)), 1), norm_waits, up_done)
         down = m.wave("plain", TaskType.DENSE_DOWN, layer, down_tiles, ((0, m.arange(down_tiles)), 1),
                       ((up_done, up_tiles),), mlp_done)
-        return waves + [qkv, up, attn, down, combine, oproj], ((oproj_done, oproj_tiles), (mlp_done, down_tiles))
-    router_done = zeroers[0] if zeroers else counters.alloc()
-    topk_done = counters.alloc()
+        return [norm, qkv, up, attn, down, combine, oproj], ((oproj_done, oproj.n), (mlp_done, down_tiles))
+    router_tiles = math.ceil(c.num_experts / 16)
+    router_done, topk_done = counters.alloc(), counters.alloc()
     slot_done = counters.alloc(c.num_experts)
-    claim = counters.alloc() if up_claims else -1
-    # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest; norm_local:
-    # arg2 normalise x here, arg3 the ROUTER tasks, each zeroing its slice of the x the layer adds into
-    router_args = ((0, m.arange(router_tiles)), 1) + ((int(local), router_tiles) if norm_local else ())
-    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, router_args, norm_waits, router_done)
+    claim = counters.alloc()
+    # the router goes before QKV: the MoE chain (router -> top-k -> up -> down) is the layer's longest
+    router = m.wave("apart", TaskType.ROUTER, layer, router_tiles, ((0, m.arange(router_tiles)),), norm_waits,
+                    router_done)
     moe_waits = ((topk_done, 1),)  # the MoE tasks read the top-k's slots
     topk = m.wave("apart", TaskType.TOPK, layer, 1, (), ((router_done, router_tiles),), topk_done)
-    # arg0: the last blocks that take no up tile (combine_apart, attention_blocks); arg1: the first "slot done"
-    # counter; arg2: the counter up tiles are claimed from (up_claims), or -1: static round-robin shares; arg3: 1
-    # when the block's down share follows in the same task (moe_fused, for the kernel's NC_LEAN_FUSED build: one
-    # task boundary less; COMBINE then goes before it)
-    if moe_fused:
-        up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim, 1), moe_waits, mlp_done)
-        lists = waves + [router, topk, qkv, attn, combine, up, oproj]
-        return lists, ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
-    up = m.wave("each", TaskType.MOE_UP, layer, 1, (no_up, slot_done, claim), moe_waits)
+    # MOE_UP arg0: the last blocks, which take no up tile (they hold the COMBINE tasks); arg1: the first "slot done"
+    # counter; arg2: the counter up tiles are claimed from
+    up = m.wave("each", TaskType.MOE_UP, layer, 1, (apart, slot_done, claim), moe_waits)
     down = m.wave("each", TaskType.MOE_DOWN, layer, 1, (0, slot_done), moe_waits, mlp_done)
-    tail = {"attention-first": [attn, up, combine, down, oproj], "moe-first": [up, attn, down, combine, oproj],
-            "tail-early": [attn, combine, up, oproj, down], "oproj-before-down": [attn, up, combine, oproj, down]}[order]
-    return waves + [router, topk, qkv, *tail], ((oproj_done, oproj_tiles), (mlp_done, num_blocks))
+    return [norm, router, topk, qkv, attn, up, combine, down, oproj], ((oproj_done, oproj.n), (mlp_done, num_blocks))
 
 
-def combine_blocks_apart(config: ModelConfig, batch: int, num_blocks: int, wanted: bool) -> int:
-    """How many last blocks hold a sparse layer's COMBINE tasks and no up tile: batch x KV heads where wanted
-    and they are few (COMBINE_APART_MAX) next to the blocks, else 0 (the combine placed round-robin)."""
+def combine_blocks_apart(config: ModelConfig, batch: int, num_blocks: int) -> int:
+    """How many last blocks hold a sparse layer's COMBINE tasks and no up tile: batch x KV heads where they are
+    few (COMBINE_APART_MAX) next to the blocks, else 0 (the combine placed round-robin)."""
     n = batch * config.num_key_value_heads
-    return n if wanted and n <= COMBINE_APART_MAX and 2 * n <= num_blocks else 0
+    return n if n <= COMBINE_APART_MAX and 2 * n <= num_blocks else 0
 
 
 def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context: int) -> list[int]:
@@ -319,49 +272,17 @@ def split_contexts(config: ModelConfig, batch: int, num_blocks: int, max_context
     return contexts
 
 
-def qkv_task_count(config: ModelConfig, qkv_tiles: int, q_tiles: int) -> int:
-    """QKV tasks of a layer: per KV group, its query rows in tasks of q_tiles tiles, its K and V rows in tasks of
-    qkv_tiles (16-row tiles; a task never straddles a group or the q/k/v boundary)."""
-    kvh = config.num_key_value_heads
-    q_rows, kv_rows = config.q_size // kvh // 16, config.head_dim // 16
-    return kvh * (-(-q_rows // q_tiles) + 2 * -(-kv_rows // qkv_tiles))
-
-
-def one_round_q_tiles(config: ModelConfig, num_blocks: int, qkv_tiles: int) -> int:
-    """Tiles per query task so that a layer's QKV tasks fit once on the blocks the router and top-k leave free
-    (qkv_one_round: run 33's ~37 blocks with two QKV tasks start their attention and up shares ~7 us late)."""
-    free = num_blocks - math.ceil(config.num_experts / 16) - 1
-    q_tiles, most = qkv_tiles, config.q_size // config.num_key_value_heads // 16
-    while qkv_task_count(config, qkv_tiles, q_tiles) > free and q_tiles < most:
-        q_tiles += 1
-    return q_tiles
-
-
-def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...],
-                   order: str = "attention-first", qkv_tiles: int = 1, combine_apart: bool = False,
-                   up_claims: bool = False, moe_fused: bool = False, qkv_one_round: bool = False,
-                   attention_blocks: int = 0, norm_local: bool = False) -> Schedule:
-    """The whole step's task lists (waves per layer, then final norm, LM head and sampling).
-
-    order: WAVE_ORDERS (dense layers keep one order). Every wait points to an earlier wave. qkv_tiles: 16-row
-    tiles per QKV task (2: the kernel multiplies them together, twice the loads in flight). combine_apart:
-    COMBINE_APART_MAX's placement. up_claims: blocks claim MoE up tiles from a per-layer counter. moe_fused: each
-    block's up and down shares in one task, after COMBINE (the order is then fixed; the kernel's NC_LEAN_FUSED build
-    only). qkv_one_round: larger query tasks where needed so that every block has at most one QKV task
-    (one_round_q_tiles). attention_blocks (0: off): a sparse layer's attention splits only on the last that many
-    blocks, which take no MoE up tile, so that the others stream the experts from the top-k on. norm_local: the
-    NC_NORM_LOCAL build's lists (_layer_waves says what changes). Waves are
-    _WaveSpecs placed in one go by place_waves' rule: about 10 ms for North Mini Code (make_task and place_waves
-    per task took 0.1-0.2 s, a stall for every new batch size).
-    """
-    assert order in WAVE_ORDERS, order
-    q_tiles = one_round_q_tiles(config, num_blocks, qkv_tiles) if qkv_one_round else qkv_tiles
-    c, m, counters = config, _WaveMaker(config, batch, qkv_tiles, q_tiles), _Counters()
+def build_schedule(config: ModelConfig, batch: int, num_blocks: int, splits: tuple[int, ...]) -> Schedule:
+    """The whole step's task lists (waves per layer, then final norm, LM head and sampling); every wait points to
+    an earlier wave. A sparse layer's lists run NORM, ROUTER, TOPK, QKV, ATTN, MOE_UP, COMBINE, MOE_DOWN, OPROJ;
+    a dense layer's NORM, QKV, DENSE_UP, ATTN, DENSE_DOWN, COMBINE, OPROJ. Waves are _WaveSpecs placed in one go
+    by place_waves' rule: about 10 ms for North Mini Code (make_task and place_waves per task took 0.1-0.2 s, a
+    stall for every new batch size)."""
+    c, m, counters = config, _WaveMaker(config, batch), _Counters()
     waves: list = []
     previous: tuple = ()  # what a layer's norm waits on: the last layer's o_proj and MLP
     for layer in range(c.num_hidden_layers):
-        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], order, num_blocks,
-                                             combine_apart, up_claims, moe_fused, attention_blocks, norm_local)
+        layer_waves, previous = _layer_waves(c, layer, m, counters, previous, splits[layer], num_blocks)
         waves += layer_waves
     final_done, lm_done = counters.alloc(), counters.alloc()
     rows = (0, m.arange(batch))
@@ -382,20 +303,13 @@ def _wave_tables(waves: list, num_blocks: int) -> tuple[list[int], list[int], li
     where the table's m_w entries from start_w are the blocks the wave may use, in order (all blocks, or
     all but those the "apart" waves since the last plain one used). An "each" wave has num_blocks copies,
     copy i on block i, and moves no cursor; a "last" wave of n tasks puts task i on block num_blocks - n + i
-    and moves no cursor either; a "tail:m" wave's table is the last m blocks (no cursor moved). Returns the flat
-    table and first, m, start per wave."""
+    and moves no cursor either. Returns the flat table and first, m, start per wave."""
     every, all_blocks = list(range(num_blocks)), set(range(num_blocks))
     table, firsts, moduli, starts = list(every), [], [], []
     cursor, avoid = 0, set()
     for mode, _, n, _ in waves:  # _WaveSpec
         if mode in ("each", "last"):
             firsts.append(0 if mode == "each" else num_blocks - n), moduli.append(num_blocks), starts.append(0)
-            continue
-        if mode.startswith("tail:"):
-            m = int(mode[5:])
-            assert 1 <= m <= num_blocks, mode
-            firsts.append(0), moduli.append(m), starts.append(len(table))
-            table += range(num_blocks - m, num_blocks)
             continue
         skip = avoid if len(avoid) < num_blocks else set()
         allowed = sorted(all_blocks - skip) if skip else every
@@ -468,16 +382,14 @@ def summarize_profile(tasks: torch.Tensor, task_start: torch.Tensor, times: torc
 
 
 def layer_origin(picked: list[int], kinds, met) -> float:
-    """When a profiled layer starts (ns): its first NORM's dependencies met, or, in a layer without a NORM task
-    (the norm-local build), its first task's. picked: the layer's task indices; kinds, met: per task."""
-    norms = [float(met[i]) for i in picked if kinds[i] == TaskType.NORM]
-    return min(norms or [float(met[i]) for i in picked])
+    """When a profiled layer starts (ns): its first NORM's dependencies met. picked: the layer's task indices;
+    kinds, met: per task."""
+    return min(float(met[i]) for i in picked if kinds[i] == TaskType.NORM)
 
 
 def layer_timeline(kinds: list[int], layers: list[int], met: torch.Tensor, done: torch.Tensor, layer: int) -> str:
     """One layer's critical path: per task type, when its first task's dependencies were met and when its
-    last task finished, in us from the layer's first NORM start (its first task's where it has no NORM: the
-    norm-local build); e.g. "NORM 0.0-1.1 QKV 1.3-8.2 ..."."""
+    last task finished, in us from the layer's first NORM start; e.g. "NORM 0.0-1.1 QKV 1.3-8.2 ..."."""
     picked = [i for i, (k, l) in enumerate(zip(kinds, layers)) if l == layer and k not in (TaskType.LM_HEAD, TaskType.SAMPLE)]
     origin = layer_origin(picked, kinds, met)
     parts = []

@@ -6,9 +6,7 @@ put the top-k boundary within bf16 rounding at every few layers) cannot hide or 
 kernel must be within ERR_FACTOR of the bf16 torch path's own distance to fp32 (logits, every layer's
 residual, router logits), choose fp32's experts wherever the gap allows, and the figures say how often
 and at what gap its experts differ. NC_TEST_STEPS shortens the full runs. The free-running figure
-compares with NorthModel.decode (bf16) with no help at all. $NC_VARIANTS (space-separated names of
-megakernel.VARIANTS, default "default") runs the tiny and the 5-layer teacher-forced tests on each variant;
-$NC_VARIANT picks the variant of the other tests.
+compares with NorthModel.decode (bf16) with no help at all.
 """
 
 from __future__ import annotations
@@ -48,12 +46,11 @@ def model_and_weights(preset: str):
 
 def setup(preset: str, lengths: list[int], steps: int, seed: int):
     from northcode.bench.decode_setup import contiguous_caches, paged_cache
-    from northcode.megakernel.kernel import Megakernel, variant_from_env
+    from northcode.megakernel.kernel import Megakernel
 
     config, weights, model = model_and_weights(preset)
     cache = paged_cache(config, lengths, steps, "cuda", seed=seed)
-    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
-                        variant=variant_from_env())
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0)
     return config, model, kernel, contiguous_caches(model, cache, steps)
 
 
@@ -130,17 +127,12 @@ def copy_oracle_kv(kernel, caches, positions: list[int]) -> None:
             v_pool[page, pos % 64] = caches[b].values[layer][0, pos]
 
 
-VARIANT_NAMES = os.environ.get("NC_VARIANTS", "default").split()
-
-
-def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | None = None,
-                   variant: str | None = None) -> dict:
+def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | None = None) -> dict:
     """decode_check's teacher-forced checks (its docstring states them); fails with the first few."""
     from northcode.bench.decode_check import report
     from northcode.bench.decode_check import teacher_forced as run
-    from northcode.megakernel.kernel import variant_from_env
 
-    figures = run(preset, lengths, steps, layers, variant=variant or variant_from_env())
+    figures = run(preset, lengths, steps, layers)
     report(figures)
     failures = figures["failures"]
     assert not failures, f"{len(failures)} checks failed, first: {failures[:6]}"
@@ -150,21 +142,19 @@ def teacher_forced(preset: str, lengths: list[int], steps: int, layers: int | No
 TINY_LENGTHS = [5, 30, 64, 100, 17, 200, 31, 63]  # window 32: every row crosses it while decoding
 
 
-@pytest.mark.parametrize("variant", VARIANT_NAMES)
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])
-def test_tiny_teacher_forced(batch: int, variant: str) -> None:
-    teacher_forced("tiny", TINY_LENGTHS[:batch], STEPS, variant=variant)
+def test_tiny_teacher_forced(batch: int) -> None:
+    teacher_forced("tiny", TINY_LENGTHS[:batch], STEPS)
 
 
 FULL_LENGTHS = [4090, 100, 8000, 1000, 64, 3000, 4095, 2000]  # rows 0 and 6 cross the 4096 window
 
 
-@pytest.mark.parametrize("variant", VARIANT_NAMES)
 @pytest.mark.parametrize("batch", [1, 8])
-def test_full_shapes_shallow_teacher_forced(batch: int, variant: str) -> None:
+def test_full_shapes_shallow_teacher_forced(batch: int) -> None:
     """North Mini Code's shapes (32 splits, head_dim 128, 128 experts top-8, vocab 262144) over its first
     5 layers (dense; sliding with RoPE; full NoPE): little depth for bf16 drift to grow in."""
-    teacher_forced("north-mini-code", FULL_LENGTHS[:batch], min(FULL_STEPS, 16), layers=5, variant=variant)
+    teacher_forced("north-mini-code", FULL_LENGTHS[:batch], min(FULL_STEPS, 16), layers=5)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])

@@ -4,9 +4,7 @@ query groups of 8, 32 attention splits over thousands of tokens, 128 experts top
 reductions, a 262144-token LM head): each test launches a small hand-built task list (counters only where
 tasks depend on each other) on fresh random inputs and compares the outputs. Products use bf16 operands
 with fp32 accumulation, so they must match an fp32 reference on the same bf16 inputs to a relative error
-||got - ref|| / ||ref|| below REL_TOL. $NC_VARIANT (megakernel.VARIANTS) sets the kernel's flags and the
-attention ring's stages for every test; the attention test also runs the ring at 1 stage without the early
-copies and at its largest size."""
+||got - ref|| / ||ref|| below REL_TOL."""
 
 from __future__ import annotations
 
@@ -40,7 +38,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def env(geometry: str = "tiny"):
     from northcode.bench.decode_check import preset_config
     from northcode.bench.decode_setup import paged_cache
-    from northcode.megakernel.kernel import Megakernel, RowSpec, variant_from_env
+    from northcode.megakernel.kernel import Megakernel, RowSpec
     from northcode.model.model import NorthModel
     from northcode.model.synthetic import random_weights
 
@@ -48,8 +46,7 @@ def env(geometry: str = "tiny"):
     config = preset_config(preset, layers)
     weights = random_weights(config, device="cuda", dtype=torch.bfloat16, seed=3)
     cache = paged_cache(config, lengths, 4, "cuda", seed=5)
-    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
-                        variant=variant_from_env())
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0)
     kernel.set_rows([RowSpec(position=length, seq=b) for b, length in enumerate(lengths)])
     return config, weights, NorthModel(config, weights), cache, kernel
 
@@ -63,7 +60,7 @@ def run(kernel, waves: list, batch: int = 8, num_counters: int = 8, num_lm: int 
 
 @contextlib.contextmanager
 def params_set(kernel, **values):
-    """Params fields set to `values` while active (flags, kv_stages)."""
+    """Params fields set to `values` while active (timeout_ns)."""
     before = {name: getattr(kernel.params, name) for name in values}
     for name, value in values.items():
         setattr(kernel.params, name, value)
@@ -72,15 +69,6 @@ def params_set(kernel, **values):
     finally:
         for name, value in before.items():
             setattr(kernel.params, name, value)
-
-
-def x_rows(kernel, layer: int, added: bool = False) -> torch.Tensor:
-    """The residual rows [8, H] that `layer` reads (added: that it adds into): kernel.x itself, or, in the
-    norm-local build (x by layer parity, [16, H]), that layer's half."""
-    if kernel.x.shape[0] == 8:
-        return kernel.x
-    parity = (layer + int(added)) % 2
-    return kernel.x[8 * parity:8 * parity + 8]
 
 
 def randn_bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -96,15 +84,15 @@ def test_norm_embeds_rounds_and_normalises(geometry: str) -> None:
     kernel.tokens.copy_(tokens)
     run(kernel, [[make_task(TaskType.NORM, 0, (b,)) for b in range(8)]])
     embedded = weights["model.embed_tokens.weight"][tokens.long()]
-    assert torch.equal(x_rows(kernel, 0), embedded.float())
+    assert torch.equal(kernel.x, embedded.float())
     ref = norm(embedded, model.layers[0].input_norm, config)
     assert rel_err(kernel.h, ref) < REL_TOL
     for layer, weight in ((1, model.layers[1].input_norm), (config.num_hidden_layers, model.final_norm)):
         x = torch.randn(8, config.hidden_size, device="cuda") * 3
-        x_rows(kernel, layer).copy_(x)
+        kernel.x.copy_(x)
         final = int(layer == config.num_hidden_layers)
         run(kernel, [[make_task(TaskType.NORM, layer, (b, final)) for b in range(8)]])
-        assert torch.equal(x_rows(kernel, layer), x.to(torch.bfloat16).float()), "the residual is rounded to bf16"
+        assert torch.equal(kernel.x, x.to(torch.bfloat16).float()), "the residual is rounded to bf16"
         assert rel_err(kernel.h, norm(x.to(torch.bfloat16), weight, config)) < REL_TOL
 
 
@@ -138,12 +126,9 @@ def check_qkv(geometry: str, layer: int, h: torch.Tensor) -> None:
         assert rel_err(cache.v_pool[page, pos % 64], v[b]) < REL_TOL
 
 
-@pytest.mark.parametrize("ring", ["variant", "one-stage", "largest"])
 @pytest.mark.parametrize("layer,splits", [(1, 3), (4, 1), (4, 4), (1, 32), (4, 32)])  # 32: NC_MAX_SPLITS
-def test_split_attention_and_combine(geometry: str, layer: int, splits: int, ring: str) -> None:
-    """ring: the KV ring as $NC_VARIANT sets it; one stage with no page copied before the wait; the most
-    stages the build allows (every page of a split in flight at once up to 5 or 8 pages)."""
-    from northcode.megakernel.kernel import FLAG_NO_KV_PRELOAD, TaskType, make_task
+def test_split_attention_and_combine(geometry: str, layer: int, splits: int) -> None:
+    from northcode.megakernel.kernel import TaskType, make_task
     from northcode.model.model import attention
 
     config, weights, model, cache, kernel = env(geometry)
@@ -155,10 +140,7 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, rin
              [make_task(TaskType.COMBINE, layer, (b, g, splits), ((b * kvh + g, splits),))
               for b in range(8) for g in range(kvh)]]
     kernel.attn_out.zero_()
-    settings = {"variant": {}, "one-stage": dict(kv_stages=1, flags=kernel.params.flags | FLAG_NO_KV_PRELOAD),
-                "largest": dict(kv_stages=kernel.lib.nc_max_kv_stages())}[ring]
-    with params_set(kernel, **settings):
-        run(kernel, waves, num_counters=8 * kvh)
+    run(kernel, waves, num_counters=8 * kvh)
     for b, pos in enumerate(GEOMETRIES[geometry][2]):
         first = max(0, pos - window + 1) if window else 0
         positions = torch.arange(first, pos + 1, device="cuda")
@@ -172,46 +154,39 @@ def test_split_attention_and_combine(geometry: str, layer: int, splits: int, rin
         assert rel_err(kernel.attn_out[b], ref) < REL_TOL, f"row {b} (position {pos})"
 
 
-@pytest.mark.parametrize("form", ["tiles", "pairs", "ring"])
-def test_oproj_adds_into_the_residual(geometry: str, form: str) -> None:
-    """tiles: one 16-row tile a task; pairs: two a task (register product, one after the other); ring: two a
-    task, each streamed through the per-lane ring (OPROJ_RING, the default's since run 81)."""
+@pytest.mark.parametrize("per_task", [1, 2])  # 1: the schedule's tasks; 2: the ring's next tile after the first
+def test_oproj_adds_into_the_residual(geometry: str, per_task: int) -> None:
+    """16-row tiles of o_proj, each streamed through the per-lane ring, added into the residual."""
     from northcode.megakernel.kernel import TaskType, make_task
-    from northcode.megakernel.variants import FLAG_OPROJ_RING
 
     config, weights, model, cache, kernel = env(geometry)
     attn_out, x = randn_bf16(8, config.q_size), torch.randn(8, config.hidden_size, device="cuda")
     kernel.attn_out.copy_(attn_out)
-    x_rows(kernel, 2, added=True).copy_(x)
-    tiles, per_task = config.hidden_size // 16, 1 if form == "tiles" else 2
-    flags = (kernel.params.flags & ~FLAG_OPROJ_RING) | (FLAG_OPROJ_RING if form == "ring" else 0)
-    with params_set(kernel, flags=flags):
-        run(kernel, [[make_task(TaskType.OPROJ, 2, (t, per_task)) for t in range(0, tiles, per_task)]])
+    kernel.x.copy_(x)
+    tiles = config.hidden_size // 16
+    run(kernel, [[make_task(TaskType.OPROJ, 2, (t, per_task)) for t in range(0, tiles, per_task)]])
     ref = F.linear(attn_out.float(), model.layers[2].o_proj.float())
-    assert rel_err(x_rows(kernel, 2, added=True) - x, ref) < REL_TOL
+    assert rel_err(kernel.x - x, ref) < REL_TOL
 
 
 @pytest.mark.parametrize("batch", [8, 3])  # TOPK: a warp a row at 8, ranks at 3 (up to 2 pairs a thread)
 def test_router_topk_and_routed_experts(geometry: str, batch: int) -> None:
     """Router logits against the reference; the chosen experts are the top-k of the kernel's own (bf16)
     logits, whatever the gaps (ties may go either way); slots list them once, ascending; slot weights
-    and the routed experts' output match the reference computed with the kernel's choice (flags as
-    $NC_VARIANT sets them); rows past the batch keep their residual."""
-    from northcode.megakernel.kernel import VARIANTS, TaskType, make_task, variant_from_env
+    and the routed experts' output match the reference computed with the kernel's choice; rows past the
+    batch keep their residual."""
+    from northcode.megakernel.kernel import TaskType, make_task
 
-    variant = VARIANTS[variant_from_env()]
     config, weights, model, cache, kernel = env(geometry)
     layer = 3
     h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
     kernel.h.copy_(h)
-    x_rows(kernel, layer, added=True).copy_(x)
+    kernel.x.copy_(x)
     router_tiles = -(-config.num_experts // 16)
-    # counters: 0 router done, 1 topk done, 2 up tiles claimed (the variant's up_claims, else static shares),
-    # 3 unused, 4.. slot done
-    claims = 2 if variant.up_claims else -1
-    routers = [make_task(TaskType.ROUTER, layer, (t, 1), (), 0) for t in range(router_tiles)]
+    # counters: 0 router done, 1 topk done, 2 up tiles claimed, 3 unused, 4.. slot done
+    routers = [make_task(TaskType.ROUTER, layer, (t,), (), 0) for t in range(router_tiles)]
     waves = [routers, [make_task(TaskType.TOPK, layer, (), ((0, router_tiles),), 1)],
-             ("each", make_task(TaskType.MOE_UP, layer, (0, 4, claims), ((1, 1),))),
+             ("each", make_task(TaskType.MOE_UP, layer, (0, 4, 2), ((1, 1),))),
              ("each", make_task(TaskType.MOE_DOWN, layer, (0, 4), ((1, 1),)))]
     kernel.moe_slots.zero_()
     kernel.routed.zero_()
@@ -253,7 +228,7 @@ def check_routed_experts(geometry: str, layer: int, h: torch.Tensor, x: torch.Te
             slot = slots.index(int(chosen[b, j]))
             assert abs(float(kernel.slot_weight[slot, b]) - float(weights_ref[b, j])) < 1e-2
     ref = run_experts(h, lw.experts_gate_up, lw.experts_down, chosen, weights_ref)
-    after = x_rows(kernel, layer, added=True)
+    after = kernel.x
     assert rel_err(after[:batch] - x[:batch], ref) < 2 * REL_TOL
     assert torch.equal(after[batch:], x[batch:]), "rows past the batch changed"
 
@@ -289,13 +264,13 @@ def test_dense_mlp(geometry: str) -> None:
     config, weights, model, cache, kernel = env(geometry)
     h, x = randn_bf16(8, config.hidden_size), torch.randn(8, config.hidden_size, device="cuda")
     kernel.h.copy_(h)
-    x_rows(kernel, 0, added=True).copy_(x)
+    kernel.x.copy_(x)
     up_tiles = config.dense_intermediate_size // 16
     waves = [[make_task(TaskType.DENSE_UP, 0, (t, 1), (), 0) for t in range(up_tiles)],
              [make_task(TaskType.DENSE_DOWN, 0, (t, 1), ((0, up_tiles),)) for t in range(config.hidden_size // 32)]]
     run(kernel, waves)
     lw = model.layers[0]
-    assert rel_err(x_rows(kernel, 0, added=True) - x, swiglu(h, lw.gate_proj, lw.up_proj, lw.down_proj)) < 2 * REL_TOL
+    assert rel_err(kernel.x - x, swiglu(h, lw.gate_proj, lw.up_proj, lw.down_proj)) < 2 * REL_TOL
 
 
 def test_lm_head_and_greedy_sample(geometry: str) -> None:
@@ -318,9 +293,8 @@ def test_lm_head_and_greedy_sample(geometry: str) -> None:
 
 def test_a_wait_that_never_ends_times_out_and_ends_the_step(geometry: str) -> None:
     """A task waiting on a counter nobody signals times out: the step ends (no hang) with the time-out's status,
-    and the tasks behind it on other blocks (waiting on what it would signal) end too, under the variant's
-    dispatch (lean-fused's build: a skipped task does not signal, its consumers stop on the status). The consumers
-    started their clocks at the same time, so one of them may be the first to report (counter 1)."""
+    and the tasks behind it on other blocks (waiting on what it would signal) end too. The consumers started their
+    clocks at the same time, so one of them may be the first to report (counter 1)."""
     from northcode.megakernel.kernel import TaskType, make_task
 
     config, weights, model, cache, kernel = env(geometry)  # shared by the module's tests: the limit is put back
