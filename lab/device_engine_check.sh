@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The torch backend's device call, in one command of under 5 minutes (typically ~4):
-#     run(command="bash tools/device_engine_check.sh", timeout_s=330)
+#     run(command="bash lab/device_engine_check.sh", timeout_s=330)
 # Phases (logs under $OUT, figures first so that a time-out loses only tests; a short table last):
-#   decode   bench decode, torch backend alone, B = 1 2 4 8 at 8K (prediction, docs/performance.md "Torch
+#   decode   bench decode, torch backend alone, B = 1 2 4 8 at 8K (prediction, lab/notebook.md "Torch
 #            baseline", session 2 of day 1: ~6.8 ms at B=1, every batch captured in a graph, no note)
 #   time     where the B=1 step's time goes: graph ms, kernel ms by part and the top kernels by time
 #   ops      CUDA kernels per decode step at B = 1 and 8 (tiny widths, the full layer plan)
@@ -11,7 +11,7 @@
 set -u
 OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"
-# the eager step's checks: its compiled form (the default on a GPU since day 3) has tools/device_torch_compile.sh
+# the eager step's checks: its compiled form (the default on a GPU since day 3) has lab/device_torch_compile.sh
 export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NORTHCODE_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 NORTHCODE_TORCH_COMPILE=0
 : > "$OUT/engine_phases.txt"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One megakernel device call (correctness of the default kernel, then timing), under 7 minutes on the H200:
-#     run(command="bash tools/device_megakernel.sh", timeout_s=500)
-# Env: BENCH_ONLY (1: skip the tests), BENCH_VARIANTS (megakernel variants timed against the default, as megakernel/<name>),
+#     run(command="bash lab/device_megakernel.sh", timeout_s=500)
+# Env: BENCH_ONLY (1: skip the tests),
 #      FULL49 (1: also the 49-layer teacher-forced test at B = 1, the 32K-context test and the free-running figure;
 #      NC_TEST_STEPS=256 for the issue's 256 steps, ~3 min more), BENCH_TORCH (1: torch too, its compiled step:
 #      ~2 min of compiling; NORTHCODE_TORCH_COMPILE=0 for the eager one).
@@ -11,9 +11,8 @@ set -u
 OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"
 export PYTHONPATH=. NORTHCODE_HOME=/tmp/nch NC_REPORT="$OUT/report.jsonl" NORTHCODE_REQUIRE_GPU=1
-export NC_TEST_STEPS=${NC_TEST_STEPS:-16} NC_TINY_STEPS=${NC_TINY_STEPS:-32} PYTHONUNBUFFERED=1 NC_VARIANTS=${NC_VARIANTS:-default}
-BENCH_VARIANTS=${BENCH_VARIANTS:-"megakernel/day2-default"}
-source tools/device_phase.sh
+export NC_TEST_STEPS=${NC_TEST_STEPS:-16} NC_TINY_STEPS=${NC_TINY_STEPS:-32} PYTHONUNBUFFERED=1
+source lab/device_phase.sh
 BUILD='
 from concurrent.futures import ThreadPoolExecutor
 from northcode.bench.decode_check import preset_config
@@ -42,11 +41,11 @@ BACKENDS=megakernel
 BENCH_LIMIT=150
 [ "${BENCH_TORCH:-0}" = 1 ] && BENCH_LIMIT=330  # the torch step compiles batch 1 (~90 s cold) and 8 (~20 s)
 phase bench $BENCH_LIMIT python3 -m northcode.bench.decode_bench --quick --profile --backends $BACKENDS \
-  --variants $BENCH_VARIANTS --out "$OUT/bench"
+  --out "$OUT/bench"
 cp "$OUT/bench/decode_bench.json" "$OUT/decode_bench.json" 2>/dev/null
-for b in 1 8; do  # the default's raw profiles come back (offline: python -m northcode.bench.profile_report FILE)
+for b in 1 8; do  # the raw profiles come back (offline: python lab/profile_report.py FILE)
   cp "$OUT/bench/profile-megakernel-b$b-c8192.pt" "$OUT/" 2>/dev/null
-  python3 -m northcode.bench.profile_report "$OUT/profile-megakernel-b$b-c8192.pt" --layer 25 > "$OUT/layer25-b$b.txt" 2>&1
+  python3 lab/profile_report.py "$OUT/profile-megakernel-b$b-c8192.pt" --layer 25 > "$OUT/layer25-b$b.txt" 2>&1
 done
 
 echo "==== pytest ===="
@@ -58,10 +57,10 @@ try:
     rows = [json.loads(line) for line in open(sys.argv[1])]
 except OSError:
     rows = []
-print(f"{'variant':<14}{'preset':<16}{'L':>3}{'B':>2}{'st':>4}{'relK':>8}{'relT':>8}{'ratio':>6}{'cosK':>9}{'cosT':>9}{'swK':>5}{'swT':>5}{'fail':>5}")
+print(f"{'preset':<16}{'L':>3}{'B':>2}{'st':>4}{'relK':>8}{'relT':>8}{'ratio':>6}{'cosK':>9}{'cosT':>9}{'swK':>5}{'swT':>5}{'fail':>5}")
 for r in rows:
     if r.get("test") == "teacher_forced":
-        print(f"{r.get('variant', ''):<14.14}{r['preset']:<16}{r['layers'] or '':>3}{len(r['lengths']):>2}{r['steps']:>4}{r['kernel_rel_err_max']:8.4f}"
+        print(f"{r['preset']:<16}{r['layers'] or '':>3}{len(r['lengths']):>2}{r['steps']:>4}{r['kernel_rel_err_max']:8.4f}"
               f"{r['torch_rel_err_max']:8.4f}{r['rel_err_ratio_max']:6.2f}{r['kernel_min_cosine']:9.5f}{r['torch_min_cosine']:9.5f}"
               f"{r['kernel_expert_swaps']:5d}{r['torch_expert_swaps']:5d}{len(r['failures']):5d}")
         if r["failures"]:
@@ -79,11 +78,11 @@ except (OSError, ValueError) as err:
     sys.exit(f"no bench JSON: {err}")
 print(f"read bandwidth {data['bandwidth']['read_tbps']:.2f} TB/s")
 base = {r["batch"]: r["ms_per_step"] for r in data["results"] if r["backend"] == "megakernel"}
-print(f"{'backend':<28}{'B':>3}{'ms/step':>9}{'tok/s':>8}{'GB':>7}{'SoL4.8':>8}{'SoLmeas':>8}{'vs default':>11}")
+print(f"{'backend':<28}{'B':>3}{'ms/step':>9}{'tok/s':>8}{'GB':>7}{'SoL4.8':>8}{'SoLmeas':>8}{'vs megakernel':>14}")
 for r in data["results"]:
     change = f"{100 * (r['ms_per_step'] / base[r['batch']] - 1):+.1f}%" if r["batch"] in base else "-"
     print(f"{r['backend']:<28}{r['batch']:>3}{r['ms_per_step']:9.3f}{r['tokens_per_s']:8.1f}{r['gb_per_step']:7.2f}"
-          f"{100 * r['sol_datasheet']:7.1f}%{100 * r['sol_measured']:7.1f}%{change:>11}")
+          f"{100 * r['sol_datasheet']:7.1f}%{100 * r['sol_measured']:7.1f}%{change:>14}")
 PY
 echo "==== what gated layer 25 at B=1 (profile_report) ===="
 sed -n '/gated/,$p' "$OUT/layer25-b1.txt" | cut -c1-150

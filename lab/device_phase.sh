@@ -1,4 +1,4 @@
-# Sourced by the one-call device scripts (tools/device_*.sh): `phase NAME LIMIT_S COMMAND...` runs COMMAND with a
+# Sourced by the one-call device scripts (lab/device_*.sh): `phase NAME LIMIT_S COMMAND...` runs COMMAND with a
 # time limit, logs it to $OUT/NAME.log and records "NAME rc=RC SECONDSs" in $OUT/phases.txt (and on stdout).
 : > "$OUT/phases.txt"
 phase() {

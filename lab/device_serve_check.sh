@@ -4,7 +4,7 @@
 # North Mini Code's geometry through the megakernel backend.
 #     .venv/bin/python -m pip download -d .whl --python-version 3.12 --platform manylinux2014_x86_64 \
 #         --only-binary=:all: starlette uvicorn httpx openai platformdirs prometheus_client jinja2
-#     run(command="bash tools/device_serve_check.sh", carry=[".whl"], timeout_s=400)
+#     run(command="bash lab/device_serve_check.sh", carry=[".whl"], timeout_s=400)
 # The device's Python has torch but not the server's packages: the wheels in .whl/ are unpacked to a folder that
 # comes after the device's own site-packages on sys.path. Logs come back as $OUT/logs.tgz; a short table is last.
 set -u
@@ -20,7 +20,7 @@ PY
 python3 -c "import site, sys; print(sys.argv[1], file=open(site.getsitepackages()[0] + '/nc-wheels.pth', 'w'))" \
   "$SITE" 2>/dev/null || export PYTHONPATH="$SITE"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} NORTHCODE_HOME=/tmp/nch PYTHONUNBUFFERED=1
-source tools/device_phase.sh
+source lab/device_phase.sh
 phase doctor 60 python3 -m northcode.cli doctor
 python3 -m northcode.cli serve --port 8123 > "$OUT/serve.log" 2>&1 &
 SERVER=$!

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The torch.compile'd decode step (torch_backend/compiled_step.py) on the H200, in one command of under 6 minutes:
-#     run(command="bash tools/device_torch_compile.sh", timeout_s=370)
+#     run(command="bash lab/device_torch_compile.sh", timeout_s=370)
 # Phases (logs under $OUT; PHASES="..." runs a subset, e.g. PHASES="gpu"; a short summary last). The figures
 # come first so that a time-out loses only tests; the tests find the inductor caches the benches filled:
 #   env        torch / triton versions, a C++ compiler (inductor's CPU code needs one; the GPU path does not)
@@ -12,7 +12,7 @@
 #   time       (not by default) op_count --time --compiled at B = 1: the compiled step's kernels by device time
 #   bench-gemv8  (not by default) bench-on with NORTHCODE_TORCH_COMPILE_GEMV=8: B = 8 through inductor's GEMVs
 #              and gathered experts (each row reads its 8 experts) instead of cuBLAS and the grouped GEMM
-# Expected (docs/performance.md, torch plan): bench-on B=1 ~4.6 ms (3.8-5.5), B=8 ~16.5 ms (14.5-18.5); bench-off
+# Expected (lab/notebook.md, torch plan): bench-on B=1 ~4.6 ms (3.8-5.5), B=8 ~16.5 ms (14.5-18.5); bench-off
 # as before (~7.7 / ~20 ms); no "torch.compile of the decode step failed" line; the gpu phase passes (3 tests).
 # Time limits: 15 + 170 + 55 + 115 = 355 s for the default phases.
 set -u

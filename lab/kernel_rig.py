@@ -1,5 +1,5 @@
-"""A small North Mini Code megakernel for the benches that run hand-built task lists instead of a decode step
-(moe_stream_bench, oproj_bench): the full geometry with a few layers, random weights, one row at position 64."""
+"""A small North Mini Code megakernel for the rigs that run hand-built task lists instead of a decode step
+(moe_stream_bench.py, oproj_bench.py): the full geometry with a few layers, random weights, one row at position 64."""
 
 from __future__ import annotations
 
@@ -15,20 +15,17 @@ def small_config(layers: int):
                                mlp_layer_types=None)
 
 
-def small_kernel(config, variant: str):
-    """The config's megakernel (the variant's build) on random weights, batch 1 at position 64."""
+def small_kernel(config):
+    """The config's megakernel on random weights, batch 1 at position 64."""
     import torch
 
     from northcode.bench.decode_setup import paged_cache
-    from northcode.megakernel.kernel import VARIANTS, Megakernel, RowSpec
+    from northcode.megakernel.kernel import Megakernel, RowSpec
     from northcode.model.synthetic import random_weights
 
-    if variant not in VARIANTS:
-        raise SystemExit(f"--variant {variant}: unknown; choose from {', '.join(VARIANTS)}")
     weights = random_weights(config, device="cuda", dtype=torch.bfloat16, seed=0)
     cache = paged_cache(config, [64], 4, "cuda", seed=0)
-    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0,
-                        variant=variant)
+    kernel = Megakernel(config, weights, cache.k_pool, cache.v_pool, cache.block_tables, timeout_s=5.0)
     kernel.set_rows([RowSpec(position=64, seq=0)])
     return kernel
 

@@ -1,16 +1,16 @@
 """The megakernel's machine code, offline (no GPU): build a cubin as the engine would, compare two builds' kernel
 code byte for byte, and read an nvdisasm listing by source line.
 
-    python tools/kernel_text.py build /tmp/a.cubin                  # the full geometry, ptxas's registers / spills
-    NORTHCODE_MEGAKERNEL_TUNING=NC_MOE_STAGES=6 python tools/kernel_text.py build /tmp/b.cubin
-    python tools/kernel_text.py same /tmp/a.cubin /tmp/b.cubin      # is the kernel's .text byte-identical?
+    python lab/kernel_text.py build /tmp/a.cubin                    # the full geometry, ptxas's registers / spills
+    python lab/kernel_text.py build /tmp/b.cubin --source /tmp/edited.cu   # an edited copy of the .cu
+    python lab/kernel_text.py same /tmp/a.cubin /tmp/b.cubin        # is the kernel's .text byte-identical?
     nvdisasm -gi -c /tmp/a.cubin > /tmp/a.sass                      # nvdisasm: pip wheel nvidia-cuda-nvdisasm
-    python tools/kernel_text.py region /tmp/a.sass 877              # instructions inlined from megakernel.cu:877
-    python tools/kernel_text.py check /tmp/a.cubin                  # instructions the GPU refuses (megakernel/sass.py)
+    python lab/kernel_text.py region /tmp/a.sass 877                # instructions inlined from megakernel.cu:877
+    python lab/kernel_text.py check /tmp/a.cubin                    # instructions the GPU refuses (megakernel/sass.py)
 
-`same` is how a change meant to leave the default alone is checked (a comment, an experiment's #if): the figures
+`same` is how a change meant to leave the kernel's code alone is checked (a comment, a rename): the figures
 measured on the old build then still hold. `region` matched o_proj's instructions across builds in day 3
-session 5 (docs/performance.md, run 77).
+session 5 (notebook.md, run 77).
 """
 
 from __future__ import annotations
@@ -40,23 +40,25 @@ def kernel_text(cubin: bytes, section: str = KERNEL_SECTION) -> bytes:
     raise ValueError(f"no section {section} in the cubin")
 
 
-def build_command(preset: str, output: Path, variant: str = "default") -> list[str]:
-    """nvcc_command's flags and defines (geometry, NORTHCODE_MEGAKERNEL_TUNING, the variant's own build's), for a
-    cubin instead of a library."""
-    from northcode.megakernel.kernel import VARIANTS, nvcc_command
+def build_command(preset: str, output: Path, source: Path | None = None) -> list[str]:
+    """nvcc_command's flags and geometry defines, for a cubin instead of a library, of the package's .cu or of
+    `source` (an edited copy)."""
+    from northcode.megakernel.kernel import nvcc_command
     from northcode.model.synthetic import preset_config
 
     config = preset_config(preset, 1003 if preset == "tiny" else None)
-    command = nvcc_command(config, output, ("-Xptxas", "-v"), VARIANTS[variant].build_defines())
+    command = nvcc_command(config, output, ("-Xptxas", "-v"))
+    if source is not None:
+        command[-1] = str(source)
     library_only = {"-shared", "-fPIC"}
     kept = [arg for i, arg in enumerate(command)
             if arg not in library_only and not (arg == "-Xcompiler" and command[i + 1] == "-fPIC")]
     return kept[:1] + ["-cubin"] + kept[1:]
 
 
-def build(preset: str, output: Path, variant: str = "default") -> str:
+def build(preset: str, output: Path, source: Path | None = None) -> str:
     """Builds the cubin; returns ptxas's registers and spills of the kernel ("255 registers, 0 bytes spilled")."""
-    result = subprocess.run(build_command(preset, output, variant), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(build_command(preset, output, source), capture_output=True, text=True, timeout=600)
     if result.returncode:
         raise RuntimeError(result.stderr[-3000:])
     registers = re.findall(r"Used (\d+) registers", result.stderr)
@@ -87,10 +89,11 @@ def region(listing: list[str], line: int) -> list[tuple[str, int, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    make = commands.add_parser("build", help="build the kernel's cubin (NORTHCODE_MEGAKERNEL_TUNING applies)")
+    make = commands.add_parser("build", help="build the kernel's cubin")
     make.add_argument("output", type=Path)
     make.add_argument("--preset", default="north-mini-code")
-    make.add_argument("--variant", default="default", help="a megakernel variant (its own build's defines apply)")
+    make.add_argument("--source", type=Path, default=None,
+                      help="an edited copy of megakernel.cu (default: the package's)")
     same = commands.add_parser("same", help="compare two cubins' kernel code byte for byte")
     same.add_argument("cubins", type=Path, nargs=2)
     check = commands.add_parser("check", help="instructions the GPU refuses (northcode/megakernel/sass.py)")
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.add_argument("line", type=int)
     args = parser.parse_args(argv)
     if args.command == "build":
-        print(f"{args.output}: {build(args.preset, args.output, args.variant)}")
+        print(f"{args.output}: {build(args.preset, args.output, args.source)}")
     elif args.command == "check":
         from northcode.megakernel.sass import disassemble, find_nvdisasm, misaligned_descriptors
 

@@ -1,16 +1,15 @@
-"""The megakernel's o_proj tiles alone (`python -m northcode.bench.oproj_bench`, a GPU with sm_90).
+"""The megakernel's o_proj tiles alone (`python lab/oproj_bench.py`, a GPU with sm_90).
 
-Day 3 session 2 found builds of the kernel whose o_proj tasks take ~7 us a tile in the decode step instead of
-~4.4, with the same instructions (docs/performance.md, runs 37-46): the default's build is fast, lean-fused's
-and a deeper MoE ring's are slow. This runs OPROJ tasks (B = 1, one 16 x 4096 tile of 128 KB each, 128 a round,
-one per SM) in the build of --variant, so that builds can be compared outside the step:
+Day 3 session 2 found builds of the kernel whose o_proj tasks took ~7 us a tile in the decode step instead of
+~4.4, with the same instructions (notebook.md, runs 37-46; the register product's latency beside the MoE stream,
+runs 75-81, which the o_proj ring since removed). This runs OPROJ tasks (B = 1, one 16 x 4096 tile of 128 KB each,
+128 a round, one per SM) in the current build, so that builds (one per .cu edit) can be compared outside the step:
   stream     rounds without waits: every block runs its tiles back to back (the tile's own rate);
   phased     round r waits for round r - 1's 128 tiles (the step's layer boundary: one dependency wait a tile);
   after-moe  each block runs a MoE up and down share (8 experts, as at B = 1) before each o_proj tile, as in
-             the step: the tile then starts with the MoE code, not its own, in the SM's instruction cache.
-Each with and without the L2 prefetch of the task's weights before its wait (Params.flags). Rounds cycle
-through the layers of an 8-layer North Mini Code (random weights; 118 MB of o_proj, more than the L2), so the
-tiles come from HBM as in the step. Printed: the launch's time (median) and, from one launch with per-task
+             the step.
+Rounds cycle through the layers of an 8-layer North Mini Code (random weights; 118 MB of o_proj, more than the L2),
+so the tiles come from HBM as in the step. Printed: the launch's time (median) and, from one launch with per-task
 timestamps, the o_proj tasks' median busy time (dependencies met to done: the step profile's figure).
 """
 
@@ -26,13 +25,13 @@ MOE_EXPERTS = 8  # batch 1's distinct experts a layer
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=49, help="o_proj waves per launch (a step has 49)")
     parser.add_argument("--repeats", type=int, default=20, help="launches timed per cell (median)")
-    parser.add_argument("--variant", default="default", help="megakernel variant: its build and flags")
 
 
 def oproj_waves(config, rounds: int, mode: str) -> tuple[list, int]:
     """The waves of a mode and the counters they use. phased: round r's tiles wait for round r - 1's (counter
     r - 1, all its tiles) and signal counter r. after-moe: before round r's tiles every block runs a MOE_UP and
-    a MOE_DOWN share of the slots set by the caller, with round r's own MOE_EXPERTS "slot done" counters."""
+    a MOE_DOWN share of the slots set by the caller, with round r's own MOE_EXPERTS "slot done" counters and up
+    claims counter (rounds x MOE_EXPERTS + r)."""
     from northcode.megakernel.kernel import TaskType, make_task
 
     assert mode in MODES, mode
@@ -42,12 +41,12 @@ def oproj_waves(config, rounds: int, mode: str) -> tuple[list, int]:
         layer = 1 + r % (config.num_hidden_layers - 1)
         if mode == "after-moe":
             slots = r * MOE_EXPERTS
-            waves += [("each", make_task(TaskType.MOE_UP, layer, (0, slots, -1))),
+            waves += [("each", make_task(TaskType.MOE_UP, layer, (0, slots, rounds * MOE_EXPERTS + r))),
                       ("each", make_task(TaskType.MOE_DOWN, layer, (0, slots)))]
         waits = ((r - 1, tiles),) if mode == "phased" and r > 0 else ()
         signal = r if mode == "phased" else -1
         waves.append([make_task(TaskType.OPROJ, layer, (t, 1), waits, signal) for t in range(tiles)])
-    return waves, rounds * (MOE_EXPERTS if mode == "after-moe" else 1)
+    return waves, rounds * (MOE_EXPERTS + 1 if mode == "after-moe" else 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,45 +54,39 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--rounds and --repeats must be at least 1")
     import torch
 
+    from kernel_rig import device_schedule, route_row_zero, small_config, small_kernel
+
     from northcode.bench.decode_bench import measure_bandwidth, median_ms
-    from northcode.bench.kernel_rig import device_schedule, route_row_zero, small_config, small_kernel
     from northcode.megakernel.kernel import TaskType
-    from northcode.megakernel.variants import FLAG_PREFETCH_CURRENT
 
     config = small_config(LAYERS)
-    kernel = small_kernel(config, args.variant)
+    kernel = small_kernel(config)
     kernel.attn_out.normal_()
     kernel.h.normal_()
     generator = torch.Generator().manual_seed(0)
     route_row_zero(kernel, torch.randperm(config.num_experts, generator=generator)[:MOE_EXPERTS].sort().values)
     read_tbps = measure_bandwidth()["read_tbps"]
-    print(f"read bandwidth (4 GiB sum): {read_tbps:.2f} TB/s; {kernel.num_blocks} SMs; variant {args.variant}")
-    print(f"{'mode':>10}{'prefetch':>10}{'launch us':>11}{'o_proj busy us (median)':>25}")
-    flags = kernel.params.flags
-    try:
-        for mode in MODES:
-            waves, counters = oproj_waves(config, args.rounds, mode)
-            schedule = device_schedule(kernel, waves, counters)
-            is_oproj = schedule.tasks[:, 0] == int(TaskType.OPROJ)
-            for prefetch in (True, False):
-                kernel.params.flags = flags | FLAG_PREFETCH_CURRENT if prefetch else flags & ~FLAG_PREFETCH_CURRENT
-                ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
-                times = torch.zeros(schedule.tasks.shape[0], 3, dtype=torch.int64, device=kernel.device)
-                kernel.params.profile = times.data_ptr()
-                try:
-                    kernel.launch(schedule, 1)
-                    kernel.check()
-                finally:
-                    kernel.params.profile = 0
-                busy = (times[:, 2] - times[:, 1])[is_oproj].double().median().item() / 1e3
-                print(f"{mode:>10}{'on' if prefetch else 'off':>10}{ms * 1e3:11.1f}{busy:25.2f}")
-    finally:
-        kernel.params.flags = flags
+    print(f"read bandwidth (4 GiB sum): {read_tbps:.2f} TB/s; {kernel.num_blocks} SMs")
+    print(f"{'mode':>10}{'launch us':>11}{'o_proj busy us (median)':>25}")
+    for mode in MODES:
+        waves, counters = oproj_waves(config, args.rounds, mode)
+        schedule = device_schedule(kernel, waves, counters)
+        is_oproj = schedule.tasks[:, 0] == int(TaskType.OPROJ)
+        ms = median_ms(lambda: kernel.launch(schedule, 1), args.repeats)
+        times = torch.zeros(schedule.tasks.shape[0], 3, dtype=torch.int64, device=kernel.device)
+        kernel.params.profile = times.data_ptr()
+        try:
+            kernel.launch(schedule, 1)
+            kernel.check()
+        finally:
+            kernel.params.profile = 0
+        busy = (times[:, 2] - times[:, 1])[is_oproj].double().median().item() / 1e3
+        print(f"{mode:>10}{ms * 1e3:11.1f}{busy:25.2f}")
     return 0
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m northcode.bench.oproj_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python lab/oproj_bench.py", description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run(parser.parse_args())
 

@@ -1,4 +1,4 @@
-"""The prefill's attention alone, by kernel (`python -m northcode.bench.prefill_attention_bench`, a GPU).
+"""The prefill's attention alone, by kernel (`python lab/prefill_attention_bench.py`, a GPU).
 
 Run 110 put the prefill's attention at ~57% of a 16K prompt. Run 111 then found short warm turns ~40 ms
 slower when full layers attend causal without a mask (through CausalBias, which picks FlashAttention-2 there)
@@ -167,7 +167,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m northcode.bench.prefill_attention_bench",
+    parser = argparse.ArgumentParser(prog="python lab/prefill_attention_bench.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
     parser.add_argument("--repeats", type=int, default=10)

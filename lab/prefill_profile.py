@@ -1,7 +1,7 @@
 """Cold prefill through the engine's torch prefill path on North Mini Code's geometry (random weights): TTFT for
 each prompt length x prefill chunk size, then the GPU time by kernel of the last pair under torch.profiler.
 
-    NORTHCODE_TORCH_COMPILE=0 python tools/prefill_profile.py --tokens 4096 16384 --chunk-sizes 512 2048
+    NORTHCODE_TORCH_COMPILE=0 python lab/prefill_profile.py --tokens 4096 16384 --chunk-sizes 512 2048
 
 (NORTHCODE_TORCH_COMPILE=0: the decode step's compile is not needed here and takes minutes at start-up.
 `--preset tiny` runs it on the CPU as a smoke test, with CPU time in the table.)

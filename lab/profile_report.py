@@ -1,4 +1,5 @@
-"""Offline reading of one profiled megakernel step (`bench decode --profile` saves profile-*.pt in --out).
+"""Offline reading of one profiled megakernel step (`python lab/profile_report.py FILE`; `northcode bench decode
+--profile` saves profile-*.pt in --out).
 
 The record holds every task (int32 [N, 16], megakernel/tasks.py's layout), each block's slice of it and three
 timestamps per task (ns: started, dependencies met, done). This report answers, for one layer, what the
@@ -34,8 +35,7 @@ def block_of(starts: list[int]) -> list[int]:
 
 
 def layer_tasks(record: dict, layer: int) -> tuple[list[int], float]:
-    """Indices of the layer's tasks and its origin (ns: the first NORM's dependencies met; in a layer without a
-    NORM task, the norm-local build's, its first task's)."""
+    """Indices of the layer's tasks and its origin (ns: the first NORM's dependencies met)."""
     tasks, times = record["tasks"], record["times"]
     picked = [i for i, t in enumerate(tasks) if t[LAYER] == layer and t[TYPE] not in (TaskType.LM_HEAD, TaskType.SAMPLE)]
     if not picked:
@@ -88,7 +88,7 @@ def critical_chain(record: dict, picked: list[int], origin: float) -> list[str]:
         start, met = times[current][0], times[current][1]
         if t[TYPE] == TaskType.NORM and t[LAYER] == tasks[picked[0]][LAYER]:
             break
-        if t[LAYER] != tasks[picked[0]][LAYER]:  # a layer without NORM: its first tasks wait on the previous one
+        if t[LAYER] != tasks[picked[0]][LAYER]:  # the block's previous task was the previous layer's
             chain[-1] = (-1, "the previous layer's end")
             break
         waits = [c for c in (t[WAIT0], t[WAIT1]) if c >= 0]
@@ -180,7 +180,7 @@ def compare(path: Path, other: Path) -> str:
 def report(path: Path, layer: int, bucket_us: float) -> str:
     record = load(path)
     picked, origin = layer_tasks(record, layer)
-    out = [f"{path.name}: layer {layer}, times in us from its first NORM's (or first task's) dependencies met", ""]
+    out = [f"{path.name}: layer {layer}, times in us from its first NORM's dependencies met", ""]
     out += phases(record, picked, origin) + ["", "blocks busy per bucket:"] + occupancy(record, picked, origin, bucket_us)
     out += ["", "what gated the layer's end:"] + critical_chain(record, picked, origin)
     out += ["", "between tasks (us a task):"] + switches(record, picked)

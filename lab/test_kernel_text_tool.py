@@ -1,5 +1,5 @@
-"""CPU: tools/kernel_text.py builds the megakernel's cubin as the engine's flags say, finds the kernel's code in
-it, tells identical builds from different ones, and reads nvdisasm's inline chains. Skips the builds without nvcc."""
+"""CPU: lab/kernel_text.py builds the megakernel's cubin as the engine's flags say, finds the kernel's code in it,
+tells identical builds from different ones, and reads nvdisasm's inline chains. Skips the builds without nvcc."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from northcode.megakernel.kernel import find_nvcc
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "kernel_text.py"
+TOOL = Path(__file__).resolve().parent / "kernel_text.py"
 
 
 def load_tool():
@@ -20,19 +20,22 @@ def load_tool():
     return module
 
 
-def test_builds_compare_by_the_kernels_code(tmp_path, monkeypatch) -> None:
+def test_builds_compare_by_the_kernels_code(tmp_path) -> None:
+    from northcode.megakernel.kernel import SOURCE
+
     try:
         find_nvcc()
     except RuntimeError as err:
         pytest.skip(str(err))
     tool = load_tool()
-    monkeypatch.delenv("NORTHCODE_MEGAKERNEL_TUNING", raising=False)
     report = tool.build("tiny", tmp_path / "a.cubin")
     assert report.endswith("0 bytes spilled"), report
     code = tool.kernel_text((tmp_path / "a.cubin").read_bytes())
     assert len(code) > 10_000 and len(code) % 16 == 0  # Hopper instructions are 16 bytes
-    monkeypatch.setenv("NORTHCODE_MEGAKERNEL_TUNING", "NC_MOE_STAGES=3")
-    tool.build("tiny", tmp_path / "b.cubin")
+    edited = tmp_path / "edited.cu"  # the MoE ring 3 steps deep instead of 4
+    edited.write_text(SOURCE.read_text().replace("constexpr int kMoeStages = 4;", "constexpr int kMoeStages = 3;"))
+    assert edited.read_text() != SOURCE.read_text()
+    tool.build("tiny", tmp_path / "b.cubin", edited)
     assert tool.main(["same", str(tmp_path / "a.cubin"), str(tmp_path / "a.cubin")]) == 0
     assert tool.main(["same", str(tmp_path / "a.cubin"), str(tmp_path / "b.cubin")]) == 1
     with pytest.raises(ValueError, match="no section"):

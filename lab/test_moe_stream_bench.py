@@ -1,5 +1,5 @@
-"""CPU: northcode/bench/moe_stream_bench.py parses its arguments and refuses an expert count the layer does not
-have before it touches a GPU (its figures come from `STREAM=1 bash tools/device_tuning.sh` on the H200)."""
+"""CPU: lab/moe_stream_bench.py parses its arguments and refuses an expert count the layer does not have before it
+touches a GPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from northcode.bench import moe_stream_bench
+import moe_stream_bench
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -18,7 +18,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_defaults_cover_batch_one_and_every_expert() -> None:
     args = _args()
-    assert args.experts == [8, 32, 128] and args.repeats > 0 and args.variant == "default"
+    assert args.experts == [8, 32, 128] and args.repeats > 0
 
 
 @pytest.mark.parametrize("count", ["0", "129"])

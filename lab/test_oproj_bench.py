@@ -1,5 +1,5 @@
-"""CPU: northcode/bench/oproj_bench.py's waves are what it says (o_proj tiles of the layers after the dense one,
-phased rounds chained by their counters) and bad arguments stop it before it touches a GPU."""
+"""CPU: lab/oproj_bench.py's waves are what it says (o_proj tiles of the layers after the dense one, phased rounds
+chained by their counters) and bad arguments stop it before it touches a GPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import argparse
 
 import pytest
 
-from northcode.bench import oproj_bench
-from northcode.bench.kernel_rig import small_config
+import oproj_bench
+from kernel_rig import small_config
+
 from northcode.megakernel.tasks import TaskType, flatten, place_waves
 
 
@@ -42,7 +43,8 @@ def test_waves_cycle_the_layers_and_chain_when_phased(mode: str) -> None:
     if mode == "after-moe":  # an up and a down share before each round, on the round's own slot counters
         assert [t[0] for t in moe] == [int(TaskType.MOE_UP), int(TaskType.MOE_DOWN)] * rounds
         assert [t[3] for t in moe] == [r * oproj_bench.MOE_EXPERTS for r in range(rounds) for _ in range(2)]
-        assert counters == rounds * oproj_bench.MOE_EXPERTS
+        assert [t[4] for t in moe[::2]] == [rounds * oproj_bench.MOE_EXPERTS + r for r in range(rounds)]  # claims
+        assert counters == rounds * (oproj_bench.MOE_EXPERTS + 1)
     else:
         assert not moe and counters == rounds
     schedule = flatten(place_waves(waves, 132), counters, 0)  # one tile per SM a round
@@ -57,4 +59,4 @@ def test_bad_counts_are_refused(argv: tuple[str, ...]) -> None:
 
 def test_defaults_are_a_steps_worth() -> None:
     args = _args()
-    assert args.rounds == 49 and args.repeats > 0 and args.variant == "default"
+    assert args.rounds == 49 and args.repeats > 0

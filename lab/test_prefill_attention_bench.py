@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from northcode.bench.prefill_attention_bench import format_rows, measure, visible
+from prefill_attention_bench import format_rows, measure, visible
 
 
 def test_the_mask_is_causal_from_the_bottom_right_and_inside_the_window():

@@ -1,4 +1,4 @@
-"""CPU: bench/profile_report.py reads a profiled step. The record is made here from a real schedule (tiny
+"""CPU: lab/profile_report.py reads a profiled step. The record is made here from a real schedule (tiny
 geometry, 6 blocks) run through a small timing simulation (every task 1 us once its counters are reached), so
 the report's phases, occupancy and gating chain can be checked against what the simulation did (the timing
 simulation is the schedule tests' own, tests/test_megakernel_schedule.simulate)."""
@@ -6,8 +6,8 @@ simulation is the schedule tests' own, tests/test_megakernel_schedule.simulate).
 from __future__ import annotations
 
 import torch
+from profile_report import load, report
 
-from northcode.bench.profile_report import load, report
 from northcode.megakernel.tasks import TaskType, attention_splits, build_schedule
 from northcode.model.synthetic import preset_config
 from tests.test_megakernel_schedule import simulate
@@ -30,32 +30,10 @@ def test_the_report_shows_phases_occupancy_and_the_gating_chain(tmp_path) -> Non
     assert float(phases["OPROJ"][-1]) == 9.0  # busy max, us
 
 
-def test_a_layer_without_norm_reads_from_its_first_task(tmp_path) -> None:
-    """The norm-local build's sparse layers have no NORM task: the report's times start at the layer's first
-    task's dependencies met, and the gating chain ends where it reaches the previous layer."""
-    from northcode.megakernel.tasks import layer_timeline
-
-    config = preset_config("tiny")
-    schedule = build_schedule(config, 1, 6, attention_splits(config, 1, 6, 300), norm_local=True)
-    assert not any(t[0] == TaskType.NORM and t[1] == 2 for t in schedule.tasks.tolist())
-    _, times = simulate(schedule, lambda t: 9000 if t[0] == TaskType.OPROJ else 1000)
-    path = tmp_path / "profile-megakernel-norm-local-b1-c300.pt"
-    torch.save(dict(tasks=schedule.tasks, task_start=schedule.task_start, times=torch.tensor(times)), path)
-    text = report(path, 2, 2.0)
-    phases = {line.split()[0]: line.split() for line in text.splitlines()[3:12] if line and line.split()[0].isupper()}
-    assert "NORM" not in phases and min(float(row[2]) for row in phases.values()) == 0.0  # first met, us
-    chain = text.split("what gated the layer's end:")[1].split("between tasks")[0].strip().splitlines()
-    assert chain[0].startswith("OPROJ") and "previous layer" in chain[-1], chain
-    stamps = torch.tensor(times, dtype=torch.float64)
-    kinds, layers = schedule.tasks[:, 0].tolist(), schedule.tasks[:, 1].tolist()
-    timeline = layer_timeline(kinds, layers, stamps[:, 1], stamps[:, 2], 2)
-    assert "NORM" not in timeline and " 0.0-" in timeline and "OPROJ" in timeline, timeline
-
-
 def test_two_profiles_side_by_side_show_which_task_type_changed(tmp_path) -> None:
     """compare(): the same schedule with o_proj tasks of 2 us against 1 us: o_proj's busy median and total
     differ by what the simulation put in, every other type not at all."""
-    from northcode.bench.profile_report import compare
+    from profile_report import compare
 
     config = preset_config("tiny")
     schedule = build_schedule(config, 1, 6, attention_splits(config, 1, 6, 300))
@@ -76,7 +54,7 @@ def test_the_report_splits_the_time_between_tasks(tmp_path) -> None:
     """switches(): with 300 ns put between every two tasks of a block (each task's stamps shifted by 300 ns per
     task before it on its block), every type that follows another shows a 0.30 us gap, and the busy column is the
     simulation's 1 us."""
-    from northcode.bench.profile_report import block_of
+    from profile_report import block_of
 
     config = preset_config("tiny")
     schedule = build_schedule(config, 1, 6, attention_splits(config, 1, 6, 300))
