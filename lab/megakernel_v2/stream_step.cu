@@ -49,7 +49,7 @@ constexpr int kHStride = H + 8;          // bf16, padded: conflict-free A loads
 constexpr int kActStride = QSIZE + 8;    // bf16
 constexpr int kQStride = HD + 8;
 
-enum TaskType : int { T_END = 0, T_QKV, T_ROUTER, T_TOPK, T_UP, T_DOWN, T_ATTN, T_OPROJ, T_LM };
+enum TaskType : int { T_END = 0, T_QKV, T_ROUTER, T_TOPK, T_UP, T_DOWN, T_ATTN, T_OPROJ, T_LM, T_DRAIN };
 enum MapId : int { M_QKV = 0, M_O, M_ROUTER, M_GATEUP, M_DOWN, M_DGATEUP, M_DDOWN, M_LM, M_K, M_V, NUM_MAPS };
 
 struct Task {  // 16 int32
@@ -61,6 +61,7 @@ struct Task {  // 16 int32
 // T_QKV / T_ROUTER / T_OPROJ / T_LM: a0 first 8-row group, a1 groups
 // T_UP / T_DOWN: a0 slot (-1: the dense layer), a1 first group, a2 groups
 // T_ATTN: a0 row, a1 kv head, a2 split, a3 splits, a4 sliding
+// T_DRAIN: one per SM and layer; claims expert up, expert down and o_proj tiles until none is left
 // flags bit 0: this task also adds x_l into x_{l+1} (exactly one task per layer)
 
 struct Maps { CUtensorMap m[NUM_MAPS]; };
@@ -91,7 +92,8 @@ struct Params {
 // counters: per layer block of kCtrPerLayer
 constexpr int C_X = 0, C_QKV = 1, C_ROUTER = 2, C_TOPK = 3, C_ATTN = 4, C_UP = 5;  // C_UP + slot (65 slots)
 constexpr int C_SPLIT = C_UP + MAX_SLOTS + 1;                                        // + b * KVH + kvh
-constexpr int kCtrPerLayer = C_SPLIT + MAXB * KVH;
+constexpr int C_CLAIM = C_SPLIT + MAXB * KVH;                                        // the drain's next tile
+constexpr int kCtrPerLayer = C_CLAIM + 1;
 constexpr int C_LM = (LAYERS + 1) * kCtrPerLayer;
 __host__ __device__ constexpr int ctr(int layer, int which) { return layer * kCtrPerLayer + which; }
 
@@ -204,6 +206,7 @@ struct Smem {
   float attn[GROUP][HD + 2];     // attention: the block's (O, m, l) per query head; merge: weights
   float warp_m[kConsumers][GROUP];
   uint64_t full[kMaxStages], empty[kMaxStages];
+  int stage_tile[kMaxStages];    // the drain's claimed tile, beside the tile's first stage (-1: no more)
   int h_layer, flag, stages;
   bf16* h;                       // [B, kHStride] norm of x_l for layer h_layer
   bf16* act;                     // [B, kActStride] o_proj / down input, or attention's q
@@ -249,11 +252,26 @@ __device__ __forceinline__ void split_pages(const Params& p, const Task& t, int&
   last = min(hi, first + per);
 }
 
+// The drain's tiles of a layer, in claim order: every slot's up tiles, every slot's down tiles, then o_proj. A down
+// tile waits only for its slot's up tiles, all claimed before it, so the claims cannot deadlock.
+constexpr int kUpPairs = 2, kDownGroups = 4, kOGroups = 1;
+struct DrainTile { int kind, slot, g0, groups; };  // kind 0 up, 1 down, 2 o_proj, -1 none left
+__device__ __forceinline__ int up_tiles_per_slot(bool dense) { return (dense ? DENSE_I : I) / 8 / kUpPairs; }
+__device__ DrainTile drain_tile(int idx, int n, bool dense) {
+  const int up_per = up_tiles_per_slot(dense), down_per = H / 8 / kDownGroups;
+  if (idx < n * up_per) return {0, idx / up_per, (idx % up_per) * kUpPairs, kUpPairs};
+  idx -= n * up_per;
+  if (idx < n * down_per) return {1, idx / down_per, (idx % down_per) * kDownGroups, kDownGroups};
+  idx -= n * down_per;
+  if (idx < H / 8 / kOGroups) return {2, 0, idx * kOGroups, kOGroups};
+  return {-1, 0, 0, 0};
+}
+
 // ====  4. Producer: every stage of every task, in list order  ==================================
 __device__ void produce_box(const Maps& maps, Smem& s, Stream& st, int map, int c0, int c1, int c2, unsigned bytes,
-                            uint64_t pol) {
+                            uint64_t pol, bool wait_empty = true) {
   const int k = st.k;
-  mbar_wait(&s.empty[k], st.phase ^ 1, 2, k);
+  if (wait_empty) mbar_wait(&s.empty[k], st.phase ^ 1, 2, k);
   mbar_expect(&s.full[k], bytes);
   tma_3d(s.ring + (size_t)k * kStageBytes, &maps.m[map], c0, c1, c2, &s.full[k], pol);
   st.advance(s.stages);
@@ -263,6 +281,48 @@ __device__ void produce_rows(const Maps& maps, Smem& s, Stream& st, int map, int
                              unsigned bytes, uint64_t pol) {
   for (int g = 0; g < groups; ++g)
     for (int kb = 0; kb < kboxes; ++kb) produce_box(maps, s, st, map, 0, row0 + 8 * g, kb * (bytes / 1024), bytes, pol);
+}
+
+// Claims tiles while the ring has a free stage: the claim waits for the stage, so a tile is claimed only by a block
+// that can start streaming it.
+__device__ void produce_drain(const Params& p, const Maps& maps, Smem& s, Stream& st, int l, uint64_t pol) {
+  const bool dense = l == 0;
+  if (!dense && !p.no_wait) spin_until(&p.counters[ctr(l, C_TOPK)], 1, 0, ctr(l, C_TOPK));
+  const int n = dense ? 1 : up_count(p, l);
+  for (;;) {
+    const int k = st.k;
+    mbar_wait(&s.empty[k], st.phase ^ 1, 2, k);
+    const int idx = (int)atomicAdd(&p.counters[ctr(l, C_CLAIM)], 1u);
+    const DrainTile d = drain_tile(idx, n, dense);
+    s.stage_tile[k] = d.kind < 0 ? -1 : idx;
+    if (d.kind < 0) {
+      mbar_expect(&s.full[k], 0);
+      st.advance(s.stages);
+      return;
+    }
+    bool first = true;
+    auto box = [&](int map, int row, int kb, unsigned bytes) {
+      produce_box(maps, s, st, map, 0, row, kb, bytes, pol, !first);
+      first = false;
+    };
+    const int e = dense ? 0 : expert_of(p, l, d.slot);
+    if (d.kind == 0) {
+      const int base = dense ? 0 : ((l - 1) * E + e) * 2 * I, width = dense ? DENSE_I : I;
+      for (int g = d.g0; g < d.g0 + d.groups; ++g)
+        for (int half = 0; half < 2; ++half)
+          for (int kb = 0; kb < 2; ++kb) box(dense ? M_DGATEUP : M_GATEUP, base + half * width + 8 * g, kb * 16, 16384);
+    } else if (d.kind == 1) {
+      for (int g = d.g0; g < d.g0 + d.groups; ++g) {
+        if (dense)
+          for (int kb = 0; kb < 3; ++kb) box(M_DDOWN, 8 * g, kb * 16, 16384);
+        else
+          box(M_DOWN, ((l - 1) * E + e) * H + 8 * g, 0, 12288);
+      }
+    } else {
+      for (int g = d.g0; g < d.g0 + d.groups; ++g)
+        for (int kb = 0; kb < 4; ++kb) box(M_O, l * H + 8 * g, kb * 16, 16384);
+    }
+  }
 }
 
 __device__ void produce(const Params& p, const Maps& maps, Smem& s, const Task* list, int n) {
@@ -277,6 +337,7 @@ __device__ void produce(const Params& p, const Maps& maps, Smem& s, const Task* 
       case T_ROUTER: produce_rows(maps, s, st, M_ROUTER, (l - 1) * E + 8 * t.a[0], t.a[1], 2, 16384, pol); break;
       case T_OPROJ: produce_rows(maps, s, st, M_O, l * H + 8 * t.a[0], t.a[1], 4, 16384, pol); break;
       case T_LM: produce_rows(maps, s, st, M_LM, 8 * t.a[0], t.a[1], 2, 16384, pol); break;
+      case T_DRAIN: produce_drain(p, maps, s, st, l, pol); break;
       case T_UP: {
         int base, width, map;
         if (t.a[0] < 0) { base = 0; width = DENSE_I; map = M_DGATEUP; }
@@ -596,6 +657,73 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
   finish(p, t);
 }
 
+__device__ void spin_consumers(const Params& p, int counter, int target) {  // thread 32 spins, the consumers sync
+  if (threadIdx.x == 32 && !p.no_wait) spin_until(&p.counters[counter], target, 1, counter);
+  consumer_sync();
+}
+
+__device__ void load_act(Smem& s, const bf16* in, int batch, int width) {  // in [B, width] -> s.act
+  const int tid = threadIdx.x - 32;
+  for (int i = tid; i < batch * width / 8; i += kConsumers * 32) {
+    const int b = i / (width / 8), c = i % (width / 8);
+    *reinterpret_cast<uint4*>(&s.act[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
+  }
+  consumer_sync();
+}
+
+// The drain's consumers: the tile id sits beside its first stage (peeked here, released by the product).
+__device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& t) {
+  const int l = t.layer, lane = threadIdx.x % 32;
+  const bool dense = l == 0;
+  if (!dense) spin_consumers(p, ctr(l, C_TOPK), 1);
+  const int n = dense ? 1 : up_count(p, l);
+  float* x_next = p.x + (size_t)(l + 1) * p.batch * H;
+  for (;;) {
+    const int k = st.k;
+    mbar_wait(&s.full[k], st.phase);
+    const int idx = s.stage_tile[k];
+    if (idx < 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&s.empty[k]);
+      st.advance(s.stages);
+      break;
+    }
+    const DrainTile d = drain_tile(idx, n, dense);
+    const int slot_buf = dense ? MAX_SLOTS : d.slot, width = dense ? DENSE_I : I;
+    if (d.kind == 0) {
+      load_h(p, s, l);
+      bf16* out = p.moe_act + (size_t)slot_buf * p.batch * DENSE_I;
+      float gate = 0.f;
+      consume_rows<2, 8>(p, s, st, 2 * d.groups, s.h, kHStride, [&](int g, int b, int r, float v) {
+        if (g % 2 == 0) { gate = v; return; }
+        out[b * width + 8 * (d.g0 + g / 2) + r] = __float2bfloat16(silu(gate) * v);
+      });
+      __threadfence();
+      consumer_sync();
+      if (threadIdx.x == 32) atomicAdd(&p.counters[ctr(l, C_UP + d.slot)], 1u);
+    } else if (d.kind == 1) {
+      spin_consumers(p, ctr(l, C_UP + d.slot), up_tiles_per_slot(dense));
+      load_act(s, p.moe_act + (size_t)slot_buf * p.batch * DENSE_I, p.batch, width);
+      const float* w = p.slot_w + ((size_t)l * MAX_SLOTS + d.slot) * p.batch;
+      const int row0 = 8 * d.g0;
+      auto epi = [&](int g, int b, int r, float v) {
+        const float wb = dense ? 1.f : __ldcg(&w[b]);
+        if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
+      };
+      if (dense) consume_rows<3, 8>(p, s, st, d.groups, s.act, kActStride, epi);
+      else consume_rows<1, 6>(p, s, st, d.groups, s.act, kActStride, epi);
+    } else {
+      spin_consumers(p, ctr(l, C_ATTN), p.batch * KVH);
+      load_act(s, p.attn_out, p.batch, QSIZE);
+      const int row0 = 8 * d.g0;
+      consume_rows<4, 8>(p, s, st, d.groups, s.act, kActStride,
+                         [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
+    }
+  }
+  __threadfence();
+  finish(p, t);
+}
+
 // ====  6. Attention: one (row, kv head, split); the last split to finish merges them  ==========
 // Page smem (a TMA box of 64 d x 2 halves x 1 head x 64 tokens, 128-byte swizzled): token t, half hf, chunk c at
 // t * 256 + hf * 128 + ((c ^ ((2t + hf) % 8)) << 4).
@@ -803,6 +931,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
       case T_DOWN: consume_down(p, s, st, t); break;
       case T_ATTN: consume_attn(p, s, st, t); break;
       case T_OPROJ: consume_oproj(p, s, st, t); break;
+      case T_DRAIN: consume_drain(p, s, st, t); break;
       case T_LM: consume_lm(p, s, st, t, t.a[2]); break;
       default: break;
     }
@@ -907,7 +1036,7 @@ static int attn_splits(int pages, int batch, int min_pages) {  // at most about 
 }
 
 static Schedule build(int sms, int batch, int context, int layers, bool balanced, int min_pages, bool router_first,
-                      int& lm_tasks) {
+                      bool drain, int& lm_tasks) {
   Schedule s(sms);
   s.balanced = balanced;
   const int len = context + 1, full_pages = (len + PAGE - 1) / PAGE;
@@ -937,6 +1066,10 @@ static Schedule build(int sms, int batch, int context, int layers, bool balanced
         for (int sp = 0; sp < splits; ++sp)
           s.add(task(T_ATTN, l, {b, h, sp, splits, sliding ? 1 : 0}, ctr(l, C_QKV), nq, ctr(l, C_ATTN)),
                 std::max(0, std::min(per_split, pages - sp * per_split)) * 32768.0);
+    if (drain) {  // every SM claims the layer's expert and o_proj tiles; x_{l+1} is done when every drain is
+      for (int sm = 0; sm < sms; ++sm) s.per_sm[sm].push_back(task(T_DRAIN, l, {}, -1, 0, ctr(l + 1, C_X)));
+      continue;
+    }
     // experts: one task list per slot; up = gate + up group pairs, down = 8-row groups of H. A slot past the
     // batch's distinct experts is skipped on the device: weigh it by how likely it is used (uniform routing)
     const int slots = dense ? 1 : std::min(MAX_SLOTS, batch * TOPK);
@@ -1026,6 +1159,7 @@ static double measure_copy(int sms, void* a, void* b) {  // read + written bytes
 // One (batch, context): its KV pool and tables, schedule and buffers; prints a check and the step's time.
 struct Config {
   int batch = 1, context = 8192, layers = LAYERS, no_wait = 0, round_robin = 0, min_pages = 8, profile = 0, router_first = 0;
+  int drain = 0;
 };
 
 // One profiled step: per task type, the mean wait (start -> met) and work (met -> end) over layers 2..47, the SMs'
@@ -1041,10 +1175,10 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
   std::vector<long long> h(ntasks * 3);
   CK(cudaMemcpy(h.data(), prof, h.size() * 8, cudaMemcpyDeviceToHost));
   CK(cudaFree(prof));
-  const char* names[] = {"end", "qkv", "router", "topk", "up", "down", "attn", "oproj", "lm"};
-  double wait[9] = {}, work[9] = {}, count[9] = {}, gap = 0, busy = 0;
-  long long first[9], last[9], t0 = -1;
-  for (int k = 0; k < 9; ++k) { first[k] = LLONG_MAX; last[k] = 0; }
+  const char* names[] = {"end", "qkv", "router", "topk", "up", "down", "attn", "oproj", "lm", "drain"};
+  double wait[10] = {}, work[10] = {}, count[10] = {}, gap = 0, busy = 0;
+  long long first[10], last[10], t0 = -1;
+  for (int k = 0; k < 10; ++k) { first[k] = LLONG_MAX; last[k] = 0; }
   size_t idx = 0;
   for (auto& list : sched.per_sm) {
     for (size_t i = 0; i < list.size(); ++i, ++idx) {
@@ -1062,11 +1196,11 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
     }
   }
   printf("  profile (layers 2-47, per task, us): ");
-  for (int k = 1; k < 9; ++k)
+  for (int k = 1; k < 10; ++k)
     if (count[k]) printf("%s wait %.2f work %.2f (%.0f); ", names[k], wait[k] / count[k] / 1e3, work[k] / count[k] / 1e3, count[k]);
   printf("\n  per layer per SM: busy %.1f us, gaps %.1f us\n  layer 25 from its first start (us): ",
          busy / 46 / sched.per_sm.size() / 1e3, gap / 46 / sched.per_sm.size() / 1e3);
-  for (int k = 1; k < 9; ++k)
+  for (int k = 1; k < 10; ++k)
     if (last[k]) printf("%s met %.1f end %.1f; ", names[k], (first[k] - t0) / 1e3, (last[k] - t0) / 1e3);
   printf("\n");
 }
@@ -1105,7 +1239,8 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
     }
 
   int lm_tasks = 0;
-  Schedule sched = build(sms, batch, context, layers, !cfg.round_robin, cfg.min_pages, cfg.router_first, lm_tasks);
+  Schedule sched = build(sms, batch, context, layers, !cfg.round_robin, cfg.min_pages, cfg.router_first, cfg.drain,
+                         lm_tasks);
   set_x_targets(sched);
   std::vector<Task> flat;
   std::vector<int> start{0};
@@ -1201,8 +1336,8 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
                               (layers ? w.n_dgu + w.n_dd : 0) + w.n_lm) +
                        experts * 3.0 * I * H * 2 + batch * kv_tok * KVH * HD * 2 * 2;
   char lay[64] = "";
-  snprintf(lay, sizeof lay, "%s%s%s p%d", layers != LAYERS ? " L" : "", cfg.round_robin ? " rr" : "",
-           cfg.router_first ? " rf" : "", cfg.min_pages);
+  snprintf(lay, sizeof lay, "%s%s%s%s p%d", layers != LAYERS ? " L" : "", cfg.round_robin ? " rr" : "",
+           cfg.router_first ? " rf" : "", cfg.drain ? " drain" : "", cfg.min_pages);
   if (layers != LAYERS) snprintf(lay + strlen(lay), sizeof lay - strlen(lay), "=%d", layers);
   printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %d |\n", batch, lay,
          no_wait ? " no-wait" : "", context, ms,
@@ -1215,7 +1350,7 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
     CK(cudaFree(ptr));
 }
 
-// ./stream_step STEPS B:CONTEXT[:LAYERS[:NO_WAIT[:ROUND_ROBIN[:MIN_PAGES[:PROFILE[:ROUTER_FIRST]]]]]]] ...
+// ./stream_step STEPS B:CONTEXT[:LAYERS[:NO_WAIT[:ROUND_ROBIN[:MIN_PAGES[:PROFILE[:ROUTER_FIRST[:DRAIN]]]]]]]] ...
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   CK(cudaHostAlloc(&g_hang_host, sizeof(HangRecord), cudaHostAllocMapped));
@@ -1234,8 +1369,8 @@ int main(int argc, char** argv) {
   printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int i = 2; i < argc; ++i) {
     Config c;
-    sscanf(argv[i], "%d:%d:%d:%d:%d:%d:%d:%d", &c.batch, &c.context, &c.layers, &c.no_wait, &c.round_robin, &c.min_pages,
-           &c.profile, &c.router_first);
+    sscanf(argv[i], "%d:%d:%d:%d:%d:%d:%d:%d:%d", &c.batch, &c.context, &c.layers, &c.no_wait, &c.round_robin,
+           &c.min_pages, &c.profile, &c.router_first, &c.drain);
     run_config(sms, w, c, steps, bw);
   }
   return 0;
