@@ -1036,7 +1036,7 @@ static int attn_splits(int pages, int batch, int min_pages) {  // at most about 
 }
 
 static Schedule build(int sms, int batch, int context, int layers, bool balanced, int min_pages, bool router_first,
-                      bool drain, int& lm_tasks) {
+                      bool drain, int router_groups, int& lm_tasks) {
   Schedule s(sms);
   s.balanced = balanced;
   const int len = context + 1, full_pages = (len + PAGE - 1) / PAGE;
@@ -1046,17 +1046,18 @@ static Schedule build(int sms, int batch, int context, int layers, bool balanced
     const bool dense = l == 0, sliding = l % 4 != 0;
     // router tiles (first in their SMs' lists: top-k heads the MoE chain); the last to finish picks the experts and
     // signals top-k (and adds x_l into x_{l+1})
+    const int n_router = (E / 8 + router_groups - 1) / router_groups;
     if (!dense && router_first)
-      split_groups(s, E / 8, 1, 2 * 16384, [&](int g, int n) {
-        return task(T_ROUTER, l, {g, n, E / 8}, wait_x, l, ctr(l, C_TOPK), 1);
+      split_groups(s, E / 8, router_groups, 2 * 16384, [&](int g, int n) {
+        return task(T_ROUTER, l, {g, n, n_router}, wait_x, l, ctr(l, C_TOPK), 1);
       });
     const int per_qkv = (QKV_ROWS / 8 + sms - 1) / sms;
     const int nq = split_groups(s, QKV_ROWS / 8, per_qkv, 2 * 16384, [&](int g, int n) {
       return task(T_QKV, l, {g, n}, wait_x, l, ctr(l, C_QKV), dense && g == 0 ? 1 : 0);
     });
-    if (!dense && !router_first)
-      split_groups(s, E / 8, 1, 2 * 16384, [&](int g, int n) {
-        return task(T_ROUTER, l, {g, n, E / 8}, wait_x, l, ctr(l, C_TOPK), 1);
+    if (!dense && !router_first)  // round-robin: right after QKV's 128 tasks, the 4 SMs without a QKV task
+      split_groups(s, E / 8, router_groups, 2 * 16384, [&](int g, int n) {
+        return task(T_ROUTER, l, {g, n, n_router}, wait_x, l, ctr(l, C_TOPK), 1);
       });
     // attention: pages known on the host, streamed before top-k so HBM has work at the layer's start
     const int pages = sliding ? std::min(full_pages, (std::min(len, WINDOW) + PAGE - 1) / PAGE + 1) : full_pages;
@@ -1159,7 +1160,7 @@ static double measure_copy(int sms, void* a, void* b) {  // read + written bytes
 // One (batch, context): its KV pool and tables, schedule and buffers; prints a check and the step's time.
 struct Config {
   int batch = 1, context = 8192, layers = LAYERS, no_wait = 0, round_robin = 0, min_pages = 8, profile = 0, router_first = 0;
-  int drain = 0;
+  int drain = 0, router_groups = 1;
 };
 
 // One profiled step: per task type, the mean wait (start -> met) and work (met -> end) over layers 2..47, the SMs'
@@ -1240,7 +1241,7 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
 
   int lm_tasks = 0;
   Schedule sched = build(sms, batch, context, layers, !cfg.round_robin, cfg.min_pages, cfg.router_first, cfg.drain,
-                         lm_tasks);
+                         cfg.router_groups, lm_tasks);
   set_x_targets(sched);
   std::vector<Task> flat;
   std::vector<int> start{0};
@@ -1336,8 +1337,8 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
                               (layers ? w.n_dgu + w.n_dd : 0) + w.n_lm) +
                        experts * 3.0 * I * H * 2 + batch * kv_tok * KVH * HD * 2 * 2;
   char lay[64] = "";
-  snprintf(lay, sizeof lay, "%s%s%s%s p%d", layers != LAYERS ? " L" : "", cfg.round_robin ? " rr" : "",
-           cfg.router_first ? " rf" : "", cfg.drain ? " drain" : "", cfg.min_pages);
+  snprintf(lay, sizeof lay, "%s%s%s%s p%d r%d", layers != LAYERS ? " L" : "", cfg.round_robin ? " rr" : "",
+           cfg.router_first ? " rf" : "", cfg.drain ? " drain" : "", cfg.min_pages, cfg.router_groups);
   if (layers != LAYERS) snprintf(lay + strlen(lay), sizeof lay - strlen(lay), "=%d", layers);
   printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %d |\n", batch, lay,
          no_wait ? " no-wait" : "", context, ms,
@@ -1350,7 +1351,7 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
     CK(cudaFree(ptr));
 }
 
-// ./stream_step STEPS B:CONTEXT[:LAYERS[:NO_WAIT[:ROUND_ROBIN[:MIN_PAGES[:PROFILE[:ROUTER_FIRST[:DRAIN]]]]]]]] ...
+// ./stream_step STEPS B:CONTEXT[:LAYERS[:NO_WAIT[:ROUND_ROBIN[:MIN_PAGES[:PROFILE[:ROUTER_FIRST[:DRAIN[:ROUTER_GROUPS]]]]]]]]] ...
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   CK(cudaHostAlloc(&g_hang_host, sizeof(HangRecord), cudaHostAllocMapped));
@@ -1369,8 +1370,8 @@ int main(int argc, char** argv) {
   printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int i = 2; i < argc; ++i) {
     Config c;
-    sscanf(argv[i], "%d:%d:%d:%d:%d:%d:%d:%d:%d", &c.batch, &c.context, &c.layers, &c.no_wait, &c.round_robin,
-           &c.min_pages, &c.profile, &c.router_first, &c.drain);
+    sscanf(argv[i], "%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", &c.batch, &c.context, &c.layers, &c.no_wait, &c.round_robin,
+           &c.min_pages, &c.profile, &c.router_first, &c.drain, &c.router_groups);
     run_config(sms, w, c, steps, bw);
   }
   return 0;
