@@ -160,8 +160,8 @@ def busy_by_type(record: dict) -> dict[int, tuple[int, float, float]]:
 
 
 def compare(path: Path, other: Path) -> str:
-    """Two profiled steps side by side (two builds or variants, same batch and context): the step's span and each
-    task type's busy median and total, with the change; what found run 38's slow o_proj (docs/performance.md)."""
+    """Two profiled steps side by side (two builds, same batch and context): the step's span and each
+    task type's busy median and total, with the change; what found run 38's slow o_proj (notebook.md)."""
     a, b = load(path), load(other)
     span = [(max(t[2] for t in r["times"]) - min(t[0] for t in r["times"])) / 1e3 for r in (a, b)]
     out = [f"{path.name} (A) against {other.name} (B)", f"step span us: A {span[0]:.1f}  B {span[1]:.1f}  "

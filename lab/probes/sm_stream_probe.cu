@@ -11,8 +11,8 @@
 //              lanes), 6 x 16 KB in flight, a block barrier per stage before its refill
 //   bulk16k    the same with one 16 KB copy a stage
 // Build and run (on the GPU machine):
-//     nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/probe tools/probes/sm_stream_probe.cu && /tmp/probe
-// The question it answers (docs/performance.md, day 3 session 4): is the ~25-30 GB/s an SM streams in the
+//     nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/probe lab/probes/sm_stream_probe.cu && /tmp/probe
+// The question it answers (lab/notebook.md, day 3 session 4): is the ~25-30 GB/s an SM streams in the
 // megakernel a property of per-lane cp.async, so that the copy engine would let fewer SMs carry a phase?
 #include <cstdio>
 #include <cstdint>
