@@ -108,7 +108,7 @@ def test_every_compiled_layer_writes_the_kv_pool_itself_so_inductor_writes_it_in
     is a scatter whose target is the pool's graph input itself, and the pool input has no other reader than that
     scatter and the copy back. torch 2.11's reinplace pass (fx_passes/reinplace.py, can_inplace) keeps a scatter
     into a *view* of a graph input functional: the step then allocates a pool-sized result and copies it back,
-    every layer (run 20 on the H200: 529 MB allocated next to a 527 MB pool). torch 2.13 on this CPU reinplaces
+    every layer (on the H200: 529 MB allocated next to a 527 MB pool). torch 2.13 on this CPU reinplaces
     both forms, so this graph shape, not the CPU's allocations, is what tells them apart (the CPU's flex template
     copies K and V anyway: both are views of one buffer)."""
     from functorch.compile import make_boxed_compiler
@@ -179,7 +179,7 @@ def test_the_compiled_step_equals_the_eager_step_on_the_cpu(tiny):
 
 def test_compiled_pool_stays_under_32_bit_offsets_and_the_engine_caps_its_pool():
     """compiled_pool_pages: the largest pool the compiled step indexes with 32-bit offsets; the engine sizes its
-    pool to it where the torch backend will compile (run 29: a 68 GB pool failed flex_attention's Triton
+    pool to it where the torch backend will compile (a 68 GB pool failed flex_attention's Triton
     compile), and not where it will not."""
     from types import SimpleNamespace
 

@@ -85,8 +85,8 @@ class Oracle:
         """`step` for N rows at once, each its own sequence: the projections, router, experts and LM head take
         the rows together, attention goes row by row (its own history and window). histories: per row (keys,
         values) as `step` takes them; follow: int [N, L, k] or None. One row is `step` op for op. The teacher-
-        forced checks step every row of a batch each step (run 97: one row at a time, ~0.3 s a row-step at 49
-        layers, made B=8 x 256 steps a 10-minute device call)."""
+        forced checks step every row of a batch each step (one row at a time, ~0.3 s a row-step at 49 layers,
+        made B=8 x 256 steps a 10-minute device call)."""
         from northcode.model import model as m
 
         c, dt, dev = self.config, self.dtype, self.device

@@ -1030,8 +1030,8 @@ __device__ __forceinline__ unsigned topk_key(float v, int e) {
 // s.expert / s.weight [b][place] of every row's top-k and s.used, by ranks: the (row, expert) pair's rank is the
 // number of the row's keys above its own (where E is a multiple of 32 a warp shares its row: the reads of the
 // row's keys are broadcasts, four at a time). Sigmoid weights are computed by the chosen pairs' threads;
-// renormalising and softmax go over the k in place order (one thread a row), as topk_row does. Run 90: comparing
-// floats and ids took ~3.4 us more than topk_row at B = 8 (4 pairs a thread); keys make it one compare.
+// renormalising and softmax go over the k in place order (one thread a row), as topk_row does. Comparing floats
+// and ids took ~3.4 us more than topk_row at B = 8 (4 pairs a thread); keys make it one compare.
 static_assert(kExperts % 4 == 0, "top-k ranks: a row's keys are read four at a time");
 __device__ void topk_ranks(const Params& p, int layer, TopkSmem& s) {
   const int pairs = p.batch_size * kExperts;

@@ -20,7 +20,7 @@ At batches 1 and 2 on a GPU the bucket compiles with coordinate-descent tuning, 
 into inductor's GEMV (its mm/bmm decompositions, as gpt-fast): the weights stream near peak bandwidth instead of
 cuBLAS's ~1.6 TB/s at M = 1-8, and the routed experts take the gathered path (routed_experts.py), whose gather
 of the chosen experts' weights becomes the GEMV's indirect loads (no copy). Larger buckets keep cuBLAS and
-the grouped GEMM (run 105 at 8K: GEMVs -12% at B=2, -6% at B=4, +16% at B=8, where every row reads its own
+the grouped GEMM (at 8K, GEMVs were -12% at B=2, -6% at B=4, +16% at B=8, where every row reads its own
 experts; a GEMV bucket compiles in ~65 s against 15-30 s). NORTHCODE_TORCH_COMPILE_GEMV=N moves that limit (0:
 cuBLAS everywhere).
 Results equal the eager step's to the model dtype's rounding (GEMV sums in fp32 in another order; flex
@@ -214,8 +214,8 @@ def head_step(h: torch.Tensor, lm_head: torch.Tensor, spec: StepSpec) -> torch.T
 def gemv_max_batch() -> int:
     """NORTHCODE_TORCH_COMPILE_GEMV (default 2): the largest batch bucket compiled with inductor's GEMVs and
     gathered experts (0: cuBLAS and the grouped GEMM everywhere; 8: at batch 8 too, where each row reads its
-    own 8 experts, ~23% more bytes than the distinct ones: run 105 found that 16% slower than the grouped GEMM,
-    and batch 4 6% faster for 50 s more compiling)."""
+    own 8 experts, ~23% more bytes than the distinct ones: 16% slower than the grouped GEMM there, and batch 4
+    6% faster for 50 s more compiling)."""
     chosen = os.environ.get("NORTHCODE_TORCH_COMPILE_GEMV", "2").strip()
     if not chosen.isdigit():
         raise ValueError(f"NORTHCODE_TORCH_COMPILE_GEMV={chosen!r}: must be a batch size (0: never)")
@@ -242,7 +242,7 @@ class CompileCheckError(RuntimeError):
 
 def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: bool = True) -> bool:
     """compile=True/False wins; None: NORTHCODE_TORCH_COMPILE=0/1 when set, else on where the step runs in CUDA
-    graphs on a GPU (H200, runs 22-25: 208 tok/s at batch 1 against 133 for the eager graph, every layer within
+    graphs on a GPU (H200: 208 tok/s at batch 1 against 133 for the eager graph, every layer within
     bf16 rounding of the eager step; the price is a compile per batch bucket at warm-up, ~65-90 s for the GEMV
     buckets (1, 2) and ~15-30 s for the others cold, less from inductor's cache). Off on the CPU (inductor's CPU
     code needs a C++ compiler and gains little there) and without CUDA graphs (a prefiller or a reference)."""
@@ -260,7 +260,7 @@ def compiled_pool_pages(config, page_size: int) -> int:
     """The most KV pages the compiled step can run over: its pool [2, pages + 1 (scratch), ps, Hkv, D] must stay
     under 2^31 elements. Past that inductor indexes it with 64-bit offsets, and in torch 2.11 the flex_attention
     template then fails to compile in Triton ("Ternary expression with dynamic condition has inconsistent types
-    int64 and int32", run 29: a 68 GB engine pool on the H200; run 99: the decode bench's pools at 32K x 4 rows and
+    int64 and int32": a 68 GB engine pool on the H200; the decode bench's pools at 32K x 4 rows and
     128K x 2, which share pages across layers: 12 full layers each hold the whole context). The engine caps its pool
     here; the bench times the eager step past it and says so."""
     per_page = 2 * page_size * config.num_key_value_heads * config.head_dim
@@ -376,7 +376,7 @@ class CompiledDecode:
 
     def check_memory(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """CompileCheckError if a step allocates as much as half the KV pool: the pool was copied, not written and
-        read in place (a K/V write inductor left functional, as in run 20; on a GPU only: torch 2.13's CPU flex
+        read in place (a K/V write inductor left functional, as once happened; on a GPU only: torch 2.13's CPU flex
         template copies K and V, the views of one buffer, whatever the write)."""
         device, pool_bytes = self.backend.device, self.backend.kv_pool.nbytes
         torch.cuda.synchronize(device)

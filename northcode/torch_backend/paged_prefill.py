@@ -22,12 +22,12 @@ from northcode.torch_backend.routed_experts import add_moe
 
 SCORE_BUDGET_BYTES = 1 << 30  # fp32 attention scores of one query block at most
 # not cuDNN's attention, which SDPA prefers for a masked bf16 case on sm_90 but which builds a plan for every new
-# (chunk, keys) shape: run 109's warm turn (+32 tokens on 4096 cached) took 120 ms against 49 before; CUTLASS's
+# (chunk, keys) shape: a warm turn (+32 tokens on 4096 cached) took 120 ms with it against 49 before; CUTLASS's
 # memory-efficient kernel has no per-shape set-up; the CPU takes flash (with a mask) or math
 PREFILL_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-# chunks of at least this many tokens attend on full layers causal from the bottom right, without a mask (run 111:
-# 16K cold 1471 -> 1259 ms, 4K 233 -> 222, at chunks of 2048); shorter ones keep the mask: run 111's warm turns
-# (32-57 tokens) took 90-102 ms causal against 50-59 with the mask (run 110), a cost not yet explained
+# chunks of at least this many tokens attend on full layers causal from the bottom right, without a mask (16K cold
+# 1471 -> 1259 ms, 4K 233 -> 222, at chunks of 2048); shorter ones keep the mask: warm turns (32-57 tokens) took
+# 90-102 ms causal against 50-59 with the mask, a cost not yet explained
 CAUSAL_MIN_QUERIES = 1024
 
 
@@ -118,8 +118,8 @@ class ChunkPrefill:
         each row's table in this layer, with visible_keys' mask, or (visible None: a full layer) the keys of
         positions 0 .. end - 1, causal from the bottom right (no mask: the kernel skips the blocks above it).
         scaled_dot_product_attention: on the GPU a fused kernel (PREFILL_SDPA_BACKENDS: scores and softmax in
-        fp32 on chip, none written out; run 107 found the written-out scores, their softmax and copies at ~40% of
-        a prefill), so it rounds less than model.attention's bf16 scores; on the CPU in query blocks whose fp32
+        fp32 on chip, none written out; written-out scores, their softmax and copies were ~40% of a prefill),
+        so it rounds less than model.attention's bf16 scores; on the CPU in query blocks whose fp32
         scores stay under SCORE_BUDGET_BYTES."""
         backend = self.backend
         pages = backend.tables[layer_idx, rows[:, None], page_idx].long()

@@ -28,7 +28,7 @@ ROUTER_GAP_TOL = 0.05  # FollowKernelRouting (the K/V-write test): near-ties the
 
 
 def report(record: dict) -> None:
-    """Append a figure to $NC_REPORT (JSON lines) for docs/performance.md; print it as well."""
+    """Append a figure to $NC_REPORT (JSON lines: lab/device_megakernel.sh prints them); print it as well."""
     print(json.dumps(record))
     path = os.environ.get("NC_REPORT")
     if path:

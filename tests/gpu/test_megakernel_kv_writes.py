@@ -11,7 +11,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 # bf16 drift between two different roundings of the same step (the kernel's attention, P as hi + lo parts, is
-# more precise than model.py's bf16 one): the deepest layer's K reached 2.2% at step 5 on the H200 (run 11).
+# more precise than model.py's bf16 one): the deepest layer's K reached 2.2% at step 5 on the H200.
 # A write to a wrong slot or page differs by ~100%.
 REL_TOL = 3e-2
 STEPS = 6

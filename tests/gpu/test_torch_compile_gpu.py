@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 
 BF16_COS_MIN, BF16_REL_TOL = 0.999, 0.05  # per layer, as the 49-layer bf16 test of test_engine_gpu.py
 # End to end, the two paths' roundings differ, and with random weights the router's k-th/(k+1)-th gap is within
-# that at every few (row, layer) pairs: one other expert moves a row's logits anywhere (run 24: cosine 0.77).
+# that at every few (row, layer) pairs: one other expert moves a row's logits anywhere (cosine 0.77 was seen).
 # So a row is held to BF16_COS_MIN end to end only while its routing is clear of near-ties on both paths
 # (gap >= ROUTER_GAP_TOL, as bench/decode_check.py); a row with a near-tie is held to it up to that layer.
 ROUTER_GAP_TOL = 0.05
@@ -123,7 +123,7 @@ def test_five_layers_of_north_mini_code_compiled_equal_eager_at_8k_in_place(widt
         print(f"B={batch} {part}: cosine {cos:.5f}, rel err {rel:.4f}")
         assert cos >= BF16_COS_MIN and rel <= BF16_REL_TOL, part
     print(f"compiled B={batch} step at 8K: {extra / 1e6:.1f} MB allocated next to a {pool_bytes / 1e6:.0f} MB pool")
-    assert extra < pool_bytes / 4  # a copy of the pool (run 20: a K/V write left functional) takes all of it
+    assert extra < pool_bytes / 4  # a copy of the pool (a K/V write left functional) takes all of it
     assert not any(end_to_end), end_to_end
 
 
