@@ -174,3 +174,78 @@ def test_template_from_tokenizer_config_list(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}], "bos_token": "<s>"}')
     template = ChatTemplate.from_model_dir(tmp_path)
     assert template.render([]) == "D<s>"
+
+
+# --- linear rendering: the tool-call numbering done once in Python (issue 24) ---
+
+
+def agent_history(num_round_trips: int, seed: int = 0) -> list[dict]:
+    """An agent conversation: user turns, calls (some parallel, ids reused across turns as some clients do),
+    their results, text answers with reasoning; what normalize_messages makes of it."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    messages, ids = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix the bug."}], []
+    for turn in range(num_round_trips):
+        calls = [call(rng.choice(ids) if ids and rng.random() < 0.1 else f"call_{turn}_{j}_{rng.getrandbits(32):08x}",
+                      rng.choice(["read", "bash"]), json.dumps({"path": f"src/file_{rng.randrange(50)}.py"}))
+                 for j in range(rng.choice([1, 1, 1, 2, 3]))]
+        ids += [c["id"] for c in calls]
+        messages.append({"role": "assistant", "content": "", "reasoning_content": f"step {turn}", "tool_calls": calls})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": f"line {turn}\n" * rng.randrange(1, 4)}
+                     for c in rng.sample(calls, len(calls))]
+        if rng.random() < 0.2:
+            messages += [{"role": "assistant", "content": f"Done with {turn}."}, {"role": "user", "content": "Go on."}]
+    return normalize_messages(messages)
+
+
+def test_a_long_random_history_renders_as_transformers_does(template, tok, hf_tokenizer):
+    """Transformers renders with the template's own numbering (its regen_tool_call_ids search): same text, same ids."""
+    messages = agent_history(120, seed=1)
+    expected = hf_tokenizer.apply_chat_template(messages, tools=[READ, BASH], tokenize=False, add_generation_prompt=True)
+    assert template.render(messages, [READ, BASH]) == expected
+    assert '"tool_call_id": "150"' in expected  # numbered across the whole conversation
+    assert template.encode(tok, messages, [READ, BASH]) == hf_ids(hf_tokenizer, messages, [READ, BASH], {})
+
+
+def test_1000_round_trips_render_in_under_half_a_second(template):
+    import time
+
+    messages = agent_history(1000)
+    template.render(messages[:20], [READ, BASH])  # warm
+    start = time.perf_counter()
+    text = template.render(messages, [READ, BASH])
+    seconds = time.perf_counter() - start
+    assert seconds < 0.5, f"{seconds:.2f} s"
+    assert text.count("<|START_ACTION|>") == 1000
+
+
+def test_a_template_that_numbers_calls_its_own_way_keeps_it():
+    """The shortcut is taken only where a probe history renders the same both ways: this template prints
+    the ids as they are, so its output keeps the clients' ids."""
+    source = ("{% for m in messages %}{% for c in m.tool_calls or [] %}[{{ c.id }}]{% endfor %}"
+              "{% if m.role == 'tool' %}({{ m.tool_call_id }}){% endif %}{% endfor %}")
+    text = ChatTemplate(source).render(normalize_messages(TOOL_TURN))
+    assert text == "[call_abc](call_abc)"
+
+
+def test_encode_text_equals_the_tokenizers_encode(tok):
+    from northcode.server.chat_template import encode_text
+
+    texts = ["", "hello world", "<|END_OF_TURN_TOKEN|>text<|START_TEXT|>", "世界 🙂 \"q\"\n\n    indented", "x" * 5000]
+    for text in texts:
+        for allow_special in (False, True):
+            assert encode_text(tok, text, allow_special=allow_special) == tok.encode(text, allow_special=allow_special)
+
+
+def test_token_limit_refuses_a_long_prompt_with_its_count(template, tok):
+    from northcode.server.chat_template import PromptTooLong
+
+    messages, tools, _ = CASES["markers and unicode in user data"]
+    messages = normalize_messages(messages)
+    num_tokens = len(template.encode(tok, messages, tools))
+    assert template.encode(tok, messages, tools, token_limit=num_tokens) == template.encode(tok, messages, tools)
+    with pytest.raises(PromptTooLong) as refused:
+        template.encode(tok, messages, tools, token_limit=num_tokens - 1)
+    assert refused.value.num_tokens == num_tokens

@@ -9,13 +9,15 @@ is sent as a `{"error": ...}` event before [DONE].
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from northcode.server.chat_template import PromptTooLong
 from northcode.server.errors import RequestError
-from northcode.server.generation import EngineRun, engine_error, prepare_sampling
+from northcode.server.generation import EngineRun, context_length_exceeded, engine_error, prepare_sampling
 from northcode.server.output_parser import OutputParser
 from northcode.server.request_body import read_json
 from northcode.server.responses import chat_chunk, chat_logprobs, chat_message, sse, usage_chunk, usage_dict
@@ -28,7 +30,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 async def chat_completions(request: Request):
     state = request.app.state.server
     state.require_ready()
-    chat, prompt_ids = await run_in_threadpool(build_prompt, state, await read_json(request))
+    chat, prompt_ids = await run_in_threadpool(partial(build_prompt, fits_context=True), state, await read_json(request))
     engine, markers = state.engine, state.markers
     forced_ids, action_prefix = forced_action(chat, prompt_ids, markers, engine.tokenizer)
     prompt_ids = prompt_ids + forced_ids
@@ -46,12 +48,17 @@ async def chat_completions(request: Request):
     return JSONResponse(await _complete(state, run, chat, parser))
 
 
-def build_prompt(state, body) -> tuple[ChatRequest, list[int]]:
+def build_prompt(state, body, *, fits_context: bool = False) -> tuple[ChatRequest, list[int]]:
     """Validate a chat request and render its prompt ids (the default system prompt added when none).
-    Its time grows with the history: call it in a worker thread."""
+    With fits_context, a prompt that leaves no room in the context is a 400, found before its ids are
+    built. Its time grows with the history: call it in a worker thread."""
     chat = parse_chat_request(body, default_system_prompt=state.options.default_system_prompt)
+    max_len = state.engine.max_model_len
     try:
-        ids = state.template.encode(state.engine.tokenizer, chat.messages, chat.tools, add_generation_prompt=True, **chat.template_kwargs)
+        ids = state.template.encode(state.engine.tokenizer, chat.messages, chat.tools, add_generation_prompt=True,
+                                    token_limit=max_len - 1 if fits_context else None, **chat.template_kwargs)
+    except PromptTooLong as err:
+        raise context_length_exceeded(max_len, err.num_tokens) from None
     except ValueError as err:
         raise RequestError(str(err), "messages") from err
     return chat, ids

@@ -30,7 +30,7 @@ _MARK_START, _MARK_END = "\U000f0000", "\U000f0001"  # private-use; transformers
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What render and encode set themselves, and the template's globals: never a template kwarg from a client.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenizer", "self",
-                                    "raise_exception", "strftime_now"})
+                                    "token_limit", "raise_exception", "strftime_now"})
 
 
 def _probe_call(call_id: str) -> dict:
@@ -151,20 +151,33 @@ class ChatTemplate:
             return False
 
     def encode(self, tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
-               add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        """Prompt token ids. Marker strings inside messages, tools and kwargs are encoded as plain text."""
+               add_generation_prompt: bool = True, token_limit: int | None = None, **kwargs) -> list[int]:
+        """Prompt token ids. Marker strings inside messages, tools and kwargs are encoded as plain text.
+
+        PromptTooLong when the prompt has more than `token_limit` tokens, raised before the ids of its
+        bulk are built (millions of Python ints, for a prompt that is refused anyway).
+        """
         control = sorted((tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.special_ids),
                          key=len, reverse=True)
         control_re = re.compile("|".join(re.escape(t) for t in control if t) or "(?!)")
         marked = _mark(messages, control_re), _mark(tools, control_re), _mark(kwargs, control_re)
         text = self.render(marked[0], marked[1], add_generation_prompt=add_generation_prompt, **marked[2])
-        pieces = re.split(f"{_MARK_START}({control_re.pattern}){_MARK_END}|[{_MARK_START}{_MARK_END}]", text)
-        ids = encode_text(tokenizer, pieces[0], allow_special=True)
+        pieces = _marked_pieces(text)
+        head = _encoding(tokenizer, pieces[0], allow_special=True)  # the bulk: all of it without marker strings
         newline_ids = encode_text(tokenizer, "\n", allow_special=False)
+        tail = []
         for i, piece in enumerate(pieces[1:], start=1):
             if piece:
-                ids += _encode_piece(tokenizer, piece, as_text=i % 2 == 1, newline_ids=newline_ids)
-        return ids
+                tail += _encode_piece(tokenizer, piece, as_text=i % 2 == 1, newline_ids=newline_ids)
+        if token_limit is not None and len(head) + len(tail) > token_limit:
+            raise PromptTooLong(len(head) + len(tail), token_limit)
+        return (head if isinstance(head, list) else head.ids) + tail
+
+
+class PromptTooLong(ValueError):
+    def __init__(self, num_tokens: int, token_limit: int) -> None:
+        super().__init__(f"the prompt has {num_tokens} tokens, more than the limit of {token_limit}")
+        self.num_tokens = num_tokens
 
 
 def _encode_piece(tokenizer, piece: str, *, as_text: bool, newline_ids: list[int]) -> list[int]:
@@ -175,18 +188,36 @@ def _encode_piece(tokenizer, piece: str, *, as_text: bool, newline_ids: list[int
     return encode_text(tokenizer, piece, allow_special=not as_text)
 
 
-def encode_text(tokenizer, text: str, *, allow_special: bool) -> list[int]:
-    """tokenizer.encode(text, allow_special), with the GIL released while the tokenizers library works.
+def _marked_pieces(text: str) -> list[str]:
+    """Rendered text cut at the marks `_mark` set: [text, control, text, control, ..., text], the marks
+    gone (str.split, not a regex: a multi-MB prompt is cut in a few ms without holding the GIL long)."""
+    first, *marked = text.split(_MARK_START)
+    pieces = [first.replace(_MARK_END, "")]
+    for part in marked:
+        control, _, rest = part.partition(_MARK_END)
+        pieces += [control, rest.replace(_MARK_END, "")]
+    return pieces
 
-    Its encode_batch releases the GIL and its encode does not, so a multi-MB prompt tokenized in a
-    worker thread still froze the event loop (and /health) for seconds. northcode's Tokenizer wraps
-    encode only, so this reaches for the library objects it holds (same ids: tests/test_chat_template.py);
-    a tokenizer without them (a test double) is called as it is.
+
+def encode_text(tokenizer, text: str, *, allow_special: bool) -> list[int]:
+    """tokenizer.encode(text, allow_special), holding the GIL only briefly (see _encoding)."""
+    encoding = _encoding(tokenizer, text, allow_special=allow_special)
+    return encoding if isinstance(encoding, list) else encoding.ids
+
+
+def _encoding(tokenizer, text: str, *, allow_special: bool):
+    """The tokenizers library's Encoding of `text` (len() is its token count, .ids its ids), computed with
+    the GIL released: a multi-MB prompt tokenized in a worker thread froze the event loop for seconds.
+
+    The library's encode holds the GIL throughout; encode_batch_fast releases it while it works and
+    computes no offsets, whose freeing (millions of them) held the GIL for half a second. northcode's
+    Tokenizer wraps encode only, so this reaches for the library objects it holds (same ids:
+    tests/test_chat_template.py); a tokenizer without them (a test double) gives its list of ids.
     """
     inner = getattr(tokenizer, "_with_special" if allow_special else "_plain", None)
     if inner is None:
         return tokenizer.encode(text, allow_special=allow_special)
-    return inner.encode_batch([text], add_special_tokens=False)[0].ids
+    return inner.encode_batch_fast([text], add_special_tokens=False)[0]
 
 
 def _numbered_calls(messages: list[dict]) -> list[dict] | None:

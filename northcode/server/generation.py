@@ -25,16 +25,20 @@ def prepare_sampling(state, options: GenerationOptions, prompt_len: int, extra_s
     """Check the prompt against the context and fill in max_tokens (default: the rest of the context)."""
     max_len = state.engine.max_model_len
     if prompt_len >= max_len:
-        raise RequestError(
-            f"This model's maximum context length is {max_len} tokens, but the prompt has {prompt_len} tokens "
-            "(leaving no room for a completion). Shorten the messages or compact the conversation.",
-            prompt_param, code="context_length_exceeded",
-        )
+        raise context_length_exceeded(max_len, prompt_len, prompt_param)
     room = max_len - prompt_len
     sampling = options.sampling
     sampling.max_tokens = min(options.max_tokens, room) if options.max_tokens is not None else room
     sampling.stop_token_ids = sorted(set(sampling.stop_token_ids) | set(extra_stop_ids))
     return sampling
+
+
+def context_length_exceeded(max_len: int, prompt_len: int, prompt_param: str = "messages") -> RequestError:
+    return RequestError(
+        f"This model's maximum context length is {max_len} tokens, but the prompt has {prompt_len} tokens "
+        "(leaving no room for a completion). Shorten the messages or compact the conversation.",
+        prompt_param, code="context_length_exceeded",
+    )
 
 
 def engine_error(state, final: RequestOutput) -> RequestError:

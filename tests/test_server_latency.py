@@ -1,0 +1,124 @@
+"""The event loop never waits on one request (issue 24, point 4), against a real `northcode serve`.
+
+The server runs as its own process (the real command, the tiny checkpoint on the CPU), so what is
+timed is its event loop, not this process's threads. While a 5 MB chat request is parsed, rendered
+and tokenized (then refused: it is far longer than the tiny model's context), /health must answer
+within 100 ms and a stream that is running must keep sending its tokens; a body over the limit sent
+without Content-Length is refused with a 413 as it streams in.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from northcode_serve_process import northcode_serve
+
+from northcode.server.request_body import MAX_BODY_BYTES
+
+LATENCY_LIMIT_S = 0.1
+BIG_BYTES = 5 << 20
+
+
+def code_text(num_bytes: int) -> str:
+    """Source-code-like text (what an agent conversation is full of) of about num_bytes."""
+    lines, size, i = [], 0, 0
+    while size < num_bytes:
+        line = f"    value_{i} = compute({i * 7919 % 10007}, 'item {i % 97}', flag={i % 3 == 0})  # step {i}\n"
+        lines.append(line)
+        size += len(line)
+        i += 1
+    return "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def url(tiny_checkpoint):
+    with northcode_serve(tiny_checkpoint) as url:
+        yield url
+
+
+def in_background(function) -> tuple[threading.Thread, dict]:
+    """Runs function() in a thread; the dict gets its "result" (or "error") and "seconds"."""
+    out: dict = {}
+
+    def run() -> None:
+        start = time.perf_counter()
+        try:
+            out["result"] = function()
+        except Exception as err:  # reported by the test's asserts
+            out["error"] = err
+        out["seconds"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def health_latencies_while(thread: threading.Thread, url: str) -> list[float]:
+    """Seconds each GET /health took, polled every 20 ms on one connection until `thread` ends."""
+    latencies = []
+    with httpx.Client(base_url=url, timeout=30) as http:
+        http.get("/health")  # connected before the timing starts
+        while thread.is_alive():
+            start = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+    return latencies
+
+
+@pytest.fixture(scope="module")
+def big_body() -> bytes:
+    """A 5 MB chat body, encoded once: building it while the timing runs would slow this process, not the server."""
+    return json.dumps({"model": "x", "messages": [{"role": "user", "content": code_text(BIG_BYTES)}], "max_tokens": 1}).encode()
+
+
+def post_big_chat(url: str, body: bytes) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=300)
+
+
+def test_health_answers_within_100_ms_while_a_5_mb_request_is_in_flight(url, big_body):
+    thread, out = in_background(lambda: post_big_chat(url, big_body))
+    latencies = health_latencies_while(thread, url)
+    response = out["result"]
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert max(latencies) < LATENCY_LIMIT_S, f"/health took up to {max(latencies) * 1000:.0f} ms"
+    assert len(latencies) >= 10, f"the 5 MB request took only {out['seconds']:.2f} s: nothing was timed"
+
+
+def test_a_running_stream_keeps_flowing_while_a_5_mb_request_is_in_flight(url, big_body):
+    body = {"model": "x", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 3000, "temperature": 0,
+            "stream": True, "chat_template_kwargs": {"reasoning": False}}
+    gaps = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as stream:
+        events = (line for line in stream.iter_lines() if line.startswith("data: "))
+        next(events)  # the role chunk: the stream is running
+        thread, out = in_background(lambda: post_big_chat(url, big_body))
+        last = time.perf_counter()
+        for event in events:
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+            if not thread.is_alive() or event == "data: [DONE]":
+                break  # leaving the block hangs up: the engine aborts the rest of the stream
+        assert not thread.is_alive(), "the stream ended before the 5 MB request did: nothing was timed"
+    assert out["result"].status_code == 400
+    assert max(gaps) < LATENCY_LIMIT_S, f"the stream stalled for {max(gaps) * 1000:.0f} ms"
+    assert len(gaps) >= 10
+
+
+def test_a_body_over_the_limit_without_content_length_is_refused_as_it_streams_in(url):
+    def chunks():
+        for _ in range(4 * MAX_BODY_BYTES >> 20):  # 1 MB at a time, up to four times the limit
+            yield b"x" * (1 << 20)
+
+    thread, out = in_background(lambda: httpx.post(url + "/v1/chat/completions", content=chunks(), timeout=60,
+                                                   headers={"content-type": "application/json"}))
+    latencies = health_latencies_while(thread, url)
+    response = out["result"]
+    assert response.status_code == 413 and response.json()["error"]["type"] == "invalid_request_error"
+    assert str(MAX_BODY_BYTES) in response.json()["error"]["message"]
+    assert max(latencies, default=0) < LATENCY_LIMIT_S
