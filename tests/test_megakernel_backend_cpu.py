@@ -234,7 +234,9 @@ def test_launch_refuses_what_it_cannot_run(tiny):
 
 # --- the Engine over it ---
 
-ENGINE_SETTINGS = dict(page_size=PAGE_SIZE, chunk_size=512, device="cpu", seed=0, max_batch=12)
+# 1024 pages (64 MiB): all 12 rows can reach the tiny model's 4096 tokens; the CPU default's 2 GiB pool would stay
+# resident for the module, twice
+ENGINE_SETTINGS = dict(page_size=PAGE_SIZE, chunk_size=512, device="cpu", seed=0, max_batch=12, num_pages=1024)
 
 
 def engine_over(checkpoint, build) -> Engine:
