@@ -182,6 +182,29 @@ def test_completions_refuse_them_too(client, body):
     assert_openai_error(post_raw(client, "/v1/completions", body), 400)
 
 
+@pytest.mark.parametrize("declared", [False, True], ids=["streamed", "Content-Length"])
+def test_an_oversized_body_is_refused_without_reading_it_all(declared):
+    """An endless body is refused once it passes the limit; a declared one before a byte is read."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from northcode.server.errors import RequestError
+    from northcode.server.request_body import read_body
+
+    chunk, reads = b"x" * (1 << 20), []
+
+    async def receive():
+        reads.append(len(chunk))
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    headers = [(b"content-length", str(4 * MAX_BODY_BYTES).encode())] if declared else []
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(read_body(Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)))
+    assert refused.value.status == 413
+    assert sum(reads) == (0 if declared else MAX_BODY_BYTES + len(chunk))
+
+
 def test_a_body_over_the_limit_is_a_413_typed_invalid_request(client):
     body = raw_chat(', "pad": "' + "x" * (MAX_BODY_BYTES + 1) + '"')
     error = assert_openai_error(post_raw(client, "/v1/chat/completions", body), 413)
@@ -283,6 +306,29 @@ def test_the_connection_stays_usable_after_a_413(server_url):
         assert_openai_error(bad, 413)
         good = http.post("/v1/chat/completions", json=chat_body())
         assert good.status_code == 200 and local_port(good) == local_port(bad)
+
+
+class FailingEngine(ScriptedEngine):
+    """A bug in the engine for requests with seed 666: generate raises before its first output."""
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        if sampling.seed == 666:
+            raise RuntimeError("a bug")
+        async for out in super().generate(request_id, prompt_ids, sampling):
+            yield out
+
+
+def test_an_unexpected_error_is_one_500_logged_once_and_the_connection_stays_usable(tiny_checkpoint, tok, caplog):
+    engine = FailingEngine(tiny_checkpoint, encode_script(tok, *TEXT_SCRIPT))
+    with running_server(create_app(ServerState(ServerOptions(), engine=engine))) as url, \
+            httpx.Client(base_url=url, timeout=30) as http, caplog.at_level(logging.WARNING):
+        failed = http.post("/v1/chat/completions", json=chat_body(seed=666))
+        assert failed.status_code == 500
+        error = strict_loads(failed.content)["error"]
+        assert error["type"] == "server_error" and "RuntimeError: a bug" in error["message"]
+        good = http.post("/v1/chat/completions", json=chat_body())
+        assert good.status_code == 200 and local_port(good) == local_port(failed)
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1  # ours, with the traceback
 
 
 def request_count(server_url: str, path: str, status: int) -> float:

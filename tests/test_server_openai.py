@@ -135,6 +135,25 @@ def test_logprobs(client):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5 and all(len(t) <= 2 for t in logprobs.top_logprobs)
 
 
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": messages("hi"), "logprobs": True, "top_logprobs": 3}),
+    ("/v1/completions", {"prompt": "x = ", "logprobs": 3}),
+], ids=["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tiny_temperature_still_gives_strict_json(server, path, body, stream):
+    """temperature 1e-39 once turned every logit into inf and the logprobs into NaN: a 500, or bare NaN in
+    an SSE event. Every body and event must parse with a strict parser (no NaN, no Infinity)."""
+    response = httpx.post(server.url + path, json={**body, "model": "m", "max_tokens": 6, "temperature": 1e-39,
+                                                   "stream": stream}, timeout=60)
+    assert response.status_code == 200, response.text
+    blocks = [b.removeprefix("data: ") for b in response.text.split("\n\n") if b.strip()] if stream else [response.text]
+    assert blocks and all(json.loads(b, parse_constant=_no_constants) for b in blocks if b != "[DONE]")
+
+
 def test_eight_concurrent_streams_equal_sequential(server, client):
     prompts = [f"Task {i}: explain {word}" for i, word in enumerate("paging caching batching routing sampling tokens kernels graphs".split())]
     kwargs = dict(model="m", max_tokens=20, **GREEDY)

@@ -146,7 +146,8 @@ class ChatTemplate:
         itself, checked on a probe history; a template that cannot render the probe keeps its own."""
         probe = [_alias_reasoning(m) for m in _PROBE_HISTORY]
         try:
-            return self._render(probe, None, True, {}, number_calls=True) == self._render(probe, None, True, {}, number_calls=False)
+            ours, its_own = (self._render(probe, None, True, {}, number_calls=numbered) for numbered in (True, False))
+            return ours == its_own
         except Exception:  # any template, any failure: this is only a shortcut
             return False
 

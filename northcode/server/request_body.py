@@ -112,25 +112,28 @@ def _check_unicode(text: str, path: tuple, param: str | None) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        where = param or _param_of(path) or "the request body"
+        where = param or _param_of(path)
         code = ord(text[err.start])
-        raise RequestError(f"{where} holds a lone UTF-16 surrogate (U+{code:04X}) at character {err.start}, "
-                           "which is not Unicode text", where) from None
+        raise RequestError(f"{where or 'the request body'} holds a lone UTF-16 surrogate (U+{code:04X}) at character "
+                           f"{err.start}, which is not Unicode text", where) from None
 
 
 def _param_of(path: tuple) -> str | None:
-    """The request field a path lies in: its first parts, up to a field whose inside is free-form JSON."""
+    """The request field a path lies in: its first parts, up to a field whose inside is free-form JSON
+    or an array inside an array (no request field is one: that is a value nested where it does not belong)."""
     keys = []
     while path:
         path, key = path
         keys.append(key)
     keys.reverse()
-    out = ""
+    parts = []
     for i, key in enumerate(keys[:6]):
-        out += f"[{key}]" if isinstance(key, int) else (f".{_printable(key)}" if out else _printable(key))
+        if isinstance(key, int) and i + 1 < len(keys) and isinstance(keys[i + 1], int):
+            break
+        parts.append(f"[{key}]" if isinstance(key, int) else (f".{_printable(key)}" if parts else _printable(key)))
         if key in _FREE_FORM or (i == 1 and keys[0] == "chat_template_kwargs"):
             break
-    return out or None
+    return "".join(parts) or None
 
 
 def _printable(key: str) -> str:

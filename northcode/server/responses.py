@@ -17,7 +17,9 @@ LOGPROB_FLOOR = -9999.0  # natural log; vLLM's stand-in for -inf
 
 def sse(payload: dict | str) -> bytes:
     """One server-sent event: `data: <json>` and a blank line (ValueError for a NaN or infinite float)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n".encode()
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return f"data: {data}\n\n".encode()
 
 

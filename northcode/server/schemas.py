@@ -219,7 +219,8 @@ def _response_format(response_format: dict | None) -> dict | None:
         return None
     kind = response_format.get("type")
     if kind not in ("text", "json_object", "json_schema"):
-        raise RequestError(f"response_format.type = {_short(kind)}: must be text, json_object or json_schema", "response_format.type")
+        raise RequestError(f"response_format.type = {_short(kind)}: must be text, json_object or json_schema",
+                           "response_format.type")
     if kind == "text":
         return None
     schema, param = response_format.get("schema"), "response_format.schema"
