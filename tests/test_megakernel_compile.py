@@ -21,26 +21,43 @@ def _nvcc_or_skip() -> str:
         pytest.skip(str(err))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "north-mini-code"])
-def test_compiles_for_sm90a_without_spills(preset: str, tmp_path) -> None:
+PRESETS = ("tiny", "north-mini-code")
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict:
+    """Both geometries' builds, started together (nvcc is single-threaded: on two cores the pair takes about as
+    long as the larger one): preset -> (config, build folder, ptxas's report). -keep: megakernel.cubin for nvdisasm."""
+    _nvcc_or_skip()
+    running = {}
+    for preset in PRESETS:
+        config, out = preset_config(preset, 1003 if preset == "tiny" else None), tmp_path_factory.mktemp(preset)
+        command = nvcc_command(config, out / "megakernel.so", ("-Xptxas", "-v", "-keep", "-keep-dir", str(out)))
+        running[preset] = config, out, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                         text=True)
+    built = {}
+    for preset, (config, out, nvcc) in running.items():
+        _, stderr = nvcc.communicate(timeout=300)
+        assert nvcc.returncode == 0, f"nvcc, {preset}: {stderr[-3000:]}"
+        built[preset] = config, out, stderr
+    return built
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compiles_for_sm90a_without_spills(preset: str, builds: dict) -> None:
     from northcode.megakernel.sass import disassemble, find_nvdisasm, misaligned_descriptors
 
-    _nvcc_or_skip()
-    config = preset_config(preset, 1003 if preset == "tiny" else None)
+    config, out, report = builds[preset]
     assert unsupported_reason(config) is None
-    flags = ("-Xptxas", "-v", "-keep", "-keep-dir", str(tmp_path))  # -keep: megakernel.cubin for nvdisasm
-    result = subprocess.run(nvcc_command(config, tmp_path / "megakernel.so", flags), capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills, "ptxas printed no resource report"
     assert all(s == ("0", "0") for s in spills), f"register spills: {spills}"
-    check_abi(tmp_path / "megakernel.so", config)
+    check_abi(out / "megakernel.so", config)
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         pytest.skip("compiled, no spills, ABI checked; nvdisasm absent (pip install nvidia-cuda-nvdisasm): the "
                     "machine-code check did not run")
-    bad = misaligned_descriptors(disassemble(tmp_path / "megakernel.cubin", nvdisasm))
+    bad = misaligned_descriptors(disassemble(out / "megakernel.cubin", nvdisasm))
     assert not bad, f"{len(bad)} instructions with an odd descriptor register (the GPU refuses them), e.g. {bad[0]}"
 
 
