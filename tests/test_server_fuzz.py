@@ -24,7 +24,7 @@ from northcode.server.app import create_app
 from northcode.server.state import ServerOptions, ServerState
 
 FUZZ = settings(max_examples=1500, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # --- values ---
 
