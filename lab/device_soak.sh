@@ -45,7 +45,7 @@ nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --form
 SAMPLER=$!
 # shellcheck disable=SC2086  # NC_SOAK_SERVER_ARGS is a list of options
 phase soak $((LEFT + 15)) "$PY" -m tests.soak_server --backend "$BACKEND" --clients 8 --duration "$SOAK_S" \
-  --budget-s "$LEFT" --extremes --inject-step-failure --max-seed $((2**63 - 1)) --server-log "$OUT/serve.log" \
+  --budget-s "$LEFT" --extremes --inject-step-failure --server-log "$OUT/serve.log" \
   ${NC_SOAK_SERVER_ARGS:-}
 kill "$SAMPLER" 2>/dev/null; wait "$SAMPLER" 2>/dev/null
 echo "==== GPU recovery test ===="; tail -15 "$OUT/gpu_recovery_test.log" | cut -c1-200

@@ -22,10 +22,9 @@ SOAK_REQUESTS = 800
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    # --max-seed: the server refuses seeds >= 2^63 (test_an_unsigned_64_bit_seed_is_accepted)
     log = tmp_path_factory.mktemp("soak") / "serve.log"
     args = parse_args(["--requests", str(SOAK_REQUESTS), "--clients", "8", "--model", str(tiny_checkpoint),
-                       "--server-log", str(log), "--max-seed", str(2**63 - 1), "--inject-step-failure",
+                       "--server-log", str(log), "--inject-step-failure",
                        "--backend", "torch", "--server-arg=--device=cpu", "--server-arg=--num-pages=96",
                        "--ready-timeout", "120"])
     with started_server(args) as (url, log_path):
@@ -59,9 +58,6 @@ def test_greedy_references_under_load_and_after_a_failed_step_are_as_alone(repor
     assert report.fault["failed_status"] == 500 and report.fault["next_status"] == 200
 
 
-@pytest.mark.xfail(strict=True, reason="server bug (issue 24): schemas._field refuses every integer >= 2^63, seed "
-                   "too, though SamplingParams takes unsigned 64-bit seeds (engine/request.py SEED_MAX = 2^64 - 1); "
-                   "once fixed, drop --max-seed from the soak above")
 def test_an_unsigned_64_bit_seed_is_accepted(server):
     _, url, _ = server
     body = {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64 - 1, "max_tokens": 2}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from northcode.engine.request import SamplingParams
+from northcode.engine.request import SEED_MAX, SEED_MIN, SamplingParams
 from northcode.server.chat_template import RESERVED_TEMPLATE_ARGS
 from northcode.server.errors import RequestError
 from northcode.server.messages import normalize_messages
@@ -49,7 +49,8 @@ class CompletionRequest:
 # --- typed field access ---
 
 
-def _field(body: dict, name: str, kinds: tuple, default=None, *, what: str | None = None):
+def _field(body: dict, name: str, kinds: tuple, default=None, *, what: str | None = None,
+           int_range: tuple[int, int] = (-(2**63), 2**63 - 1)):
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return default
@@ -57,8 +58,9 @@ def _field(body: dict, name: str, kinds: tuple, default=None, *, what: str | Non
         raise RequestError(f"{name} must be {what or _kind_names(kinds)}, got a boolean", name)
     if not isinstance(value, kinds):
         raise RequestError(f"{name} must be {what or _kind_names(kinds)}, got {type(value).__name__}", name)
-    if isinstance(value, int) and float not in kinds and not -(2**63) <= value < 2**63:
-        raise RequestError(f"{name} = {_short(value)}: must fit in a signed 64-bit integer", name)
+    low, high = int_range
+    if isinstance(value, int) and float not in kinds and not low <= value <= high:
+        raise RequestError(f"{name} = {_short(value)}: must be in [{low}, {high}]", name)
     return value
 
 
@@ -106,7 +108,7 @@ def parse_options(body: dict, *, chat: bool) -> GenerationOptions:
     if not all(isinstance(s, str) for s in stop):
         raise RequestError("stop must be a string or an array of strings", "stop")
     top_k = _field(body, "top_k", (int,), 0)
-    seed = _field(body, "seed", (int,))
+    seed = _field(body, "seed", (int,), int_range=(SEED_MIN, SEED_MAX))  # signed or unsigned 64-bit
     logprobs, top_logprobs = _parse_logprobs(body, chat=chat)
     stream = _field(body, "stream", (bool,), False)
     stream_options = _field(body, "stream_options", (dict,), {})
