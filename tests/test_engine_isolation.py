@@ -75,14 +75,20 @@ def stream_beside(engine: Engine, params: SamplingParams, name: str):
     return asyncio.run(main())
 
 
-def check_isolation(engine: Engine, name: str, alone: dict) -> None:
+def check_isolation(engine: Engine, name: str, alone: dict, batch_invariant: bool = True) -> None:
+    """batch_invariant: a row's logits do not depend on what else is in the step (fp32 on the CPU, the megakernel's
+    independent rows), so both requests must draw their tokens alone; otherwise (cuBLAS picks its kernels by batch
+    size) a near-tie may flip and only how they end is compared."""
     params, is_greedy = EXTREMES[name]
     restarts = engine.stats()["restarts"]
     streamed, extreme_outputs = stream_beside(engine, params, name)
-    assert tokens_of(streamed) == alone["stream"] and streamed[-1].finish_reason == "length", streamed[-1].error
+    assert streamed[-1].finish_reason == "length" and streamed[-1].error is None, streamed[-1].error
+    assert len(tokens_of(streamed)) == len(alone["stream"])
     assert_sane(extreme_outputs, engine.config.vocab_size)
-    assert tokens_of(extreme_outputs) == tokens_of(run(engine, [(prompt_of(12, salt=41), params)])[0])
-    if is_greedy:
+    if batch_invariant:
+        assert tokens_of(streamed) == alone["stream"]
+        assert tokens_of(extreme_outputs) == tokens_of(run(engine, [(prompt_of(12, salt=41), params)])[0])
+    if is_greedy and batch_invariant:
         count = len(tokens_of(extreme_outputs))
         assert tokens_of(extreme_outputs) == alone["greedy"][:count]
     if params.max_tokens > MAX_MODEL_LEN:

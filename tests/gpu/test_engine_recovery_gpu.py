@@ -104,4 +104,4 @@ def alone(engine) -> dict:
 
 @pytest.mark.parametrize("name", list(EXTREMES))
 def test_an_extreme_request_runs_beside_a_stream_without_any_error(engine, alone, name):
-    check_isolation(engine, name, alone)
+    check_isolation(engine, name, alone, batch_invariant=engine.backend_choice.name != "torch")
