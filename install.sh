@@ -30,9 +30,16 @@ for dir in "$HOME/.local/bin" /usr/local/bin; do
   case ":$PATH:" in *":$dir:"*) ;; *) continue ;; esac
   if [ -w "$dir" ] || { [ ! -e "$dir" ] && mkdir -p "$dir" 2>/dev/null; }; then target=$dir; break; fi
 done
-if [ -n "$target" ]; then
-  ln -sf "$PWD/.venv/bin/northcode" "$target/northcode"
-  echo "installed: $target/northcode -> $PWD/.venv/bin/northcode"
+link="$target/northcode" want="$PWD/.venv/bin/northcode"
+if [ -n "$target" ] && [ -e "$link" ] && [ ! -L "$link" ]; then
+  echo "left alone: $link is a file, not a link from an earlier install; run $want, or remove it and re-run" >&2
+elif [ -n "$target" ]; then
+  old=$(readlink "$link" 2>/dev/null || true)
+  ln -sfn "$want" "$link"
+  echo "installed: $link -> $want"
+  if [ -n "$old" ] && [ "$old" != "$want" ]; then
+    echo "note: $link pointed to $old (another checkout); to keep that one: ln -sfn '$old' '$link'"
+  fi
 else
   echo "installed: $PWD/.venv/bin/northcode (add $PWD/.venv/bin to PATH)"
 fi
