@@ -51,9 +51,9 @@ def main() -> None:
     parser.add_argument("--profile-warm", action="store_true",
                         help="profile a warm turn (+40 tokens on the last prompt) instead of the cold prompt")
     args = parser.parse_args()
-    from northcode.engine.engine import Engine
     from northcode.engine.settings import EngineSettings
     from northcode.model.synthetic import preset_config, random_weights
+    from northcode.runtime import build_engine
     from northcode.torch_backend import paged_prefill
 
     if args.causal_min is not None:
@@ -72,7 +72,7 @@ def main() -> None:
     for chunk in args.chunk_sizes:
         settings = EngineSettings(max_batch=8, chunk_size=chunk, device=device, dtype=str(dtype).removeprefix("torch."),
                                   backend="torch", num_pages=pages, seed=0)
-        engine = Engine(config, weights, None, settings, model_name="profile")
+        engine = build_engine(config, weights, None, settings, model_name="profile")
         time_first_token(engine, "warm-up", prompt(min(args.tokens)), on_gpu)
         for n in args.tokens:
             seconds = time_first_token(engine, f"cold-{n}", prompt(n), on_gpu)

@@ -4,12 +4,17 @@
 (layer_types from first_k_dense_replace and the window patterns, rope_parameters), and
 rejects what northcode cannot serve with a ValueError that names the field and its value.
 It does not know about devices, dtypes or engine settings.
+
+The process environment is read here and nowhere else (section "the environment"): one function per
+variable, read when called (a test or a benchmark may set one just before), each listed with its meaning in
+docs/architecture.md's table. A value that cannot mean anything is a ValueError naming the variable.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,3 +315,57 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool):
         raise ValueError(f"config.json: rope_theta = {theta!r}: must be a number")
     return float(theta)
+
+
+# --- the environment (docs/architecture.md, "Environment variables") ---
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def env_data_home() -> str | None:
+    """NORTHCODE_HOME: the data directory instead of the user's (models, kernels, sessions)."""
+    return _env("NORTHCODE_HOME") or None
+
+
+def env_cpu_threads() -> int | None:
+    """OMP_NUM_THREADS when it is a positive integer: torch's CPU threads unless a setting names them."""
+    chosen = _env("OMP_NUM_THREADS")
+    return int(chosen) if chosen.isdigit() and int(chosen) > 0 else None
+
+
+def env_torch_compile() -> bool | None:
+    """NORTHCODE_TORCH_COMPILE=0/1: torch.compile the torch backend's decode step or not; None: unset."""
+    chosen = _env("NORTHCODE_TORCH_COMPILE")
+    if chosen and chosen not in ("0", "1"):
+        raise ValueError(f"NORTHCODE_TORCH_COMPILE={chosen!r}: must be 0 or 1")
+    return chosen == "1" if chosen else None
+
+
+def env_compile_gemv_max_batch(default: int) -> int:
+    """NORTHCODE_TORCH_COMPILE_GEMV: the largest batch bucket compiled with inductor's GEMVs (0: none)."""
+    chosen = _env("NORTHCODE_TORCH_COMPILE_GEMV")
+    if chosen and not chosen.isdigit():
+        raise ValueError(f"NORTHCODE_TORCH_COMPILE_GEMV={chosen!r}: must be a batch size (0: never)")
+    return int(chosen) if chosen else default
+
+
+def env_torch_moe() -> str | None:
+    """NORTHCODE_TORCH_MOE: the torch backend's decode MoE path (routed_experts.MOE_PATHS checks it); None: unset."""
+    return _env("NORTHCODE_TORCH_MOE") or None
+
+
+def env_cuda_homes() -> list[str]:
+    """Where a CUDA toolkit may be, in order: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda (nvcc is in its bin/)."""
+    return [home for home in (_env("CUDA_HOME"), _env("CUDA_PATH"), "/usr/local/cuda") if home]
+
+
+def env_api_key() -> str | None:
+    """NORTHCODE_API_KEY: the agent's key for an endpoint started with `northcode serve --api-key` (as given)."""
+    return os.environ.get("NORTHCODE_API_KEY") or None
+
+
+def env_report_path() -> str | None:
+    """NC_REPORT: a JSON-lines file the whole-step checks append their records to (lab/device_megakernel.sh)."""
+    return _env("NC_REPORT") or None

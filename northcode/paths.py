@@ -1,7 +1,7 @@
 """Where northcode keeps its files, and which model a command loads when --model is not given.
 
-The only module that reads environment variables for paths: NORTHCODE_HOME overrides the user's
-data directory (tests point it at a temporary folder). The demo checkpoint (the `tiny` preset
+NORTHCODE_HOME (read by config.env_data_home) overrides the user's data directory (tests point it at a
+temporary folder). The demo checkpoint (the `tiny` preset
 with a fixed seed, random weights) is created there on first use, so every command works on a
 fresh machine with no GPU and no download.
 """
@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from northcode.config import env_data_home
+
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
 SYNTHETIC_KEY = "northcode_synthetic"  # config.json field written by `northcode checkpoint create`
@@ -20,7 +22,7 @@ SYNTHETIC_KEY = "northcode_synthetic"  # config.json field written by `northcode
 
 def data_dir() -> Path:
     """The user's northcode data directory (created on demand)."""
-    override = os.environ.get("NORTHCODE_HOME")
+    override = env_data_home()
     if override:
         path = Path(override).expanduser()
     else:

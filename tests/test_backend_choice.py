@@ -8,10 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from northcode.engine.backend_choice import choose_backend, megakernel_blocker
-from northcode.engine.engine import Engine
 from northcode.engine.settings import EngineSettings
 from northcode.model.synthetic import preset_config
+from northcode.runtime import choose_backend, load_engine, megakernel_blocker
 
 CUDA, CPU, BF16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
 H200 = dict(capability=(9, 0), nvcc="/usr/local/cuda/bin/nvcc")
@@ -59,7 +58,7 @@ def test_megakernel_where_it_cannot_run_is_a_clear_error_and_torch_is_always_pos
 
 
 def test_the_engine_reports_its_choice_and_refuses_an_impossible_one(tiny_checkpoint):
-    engine = Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cpu", page_size=16, num_pages=64))
+    engine = load_engine(tiny_checkpoint, EngineSettings(device="cpu", page_size=16, num_pages=64))
     try:
         stats = engine.stats()
         assert engine.backend.name == stats["backend"] == "torch"
@@ -67,7 +66,7 @@ def test_the_engine_reports_its_choice_and_refuses_an_impossible_one(tiny_checkp
     finally:
         engine.shutdown()
     with pytest.raises(ValueError, match="backend = 'megakernel': it cannot run here: the model runs on the CPU"):
-        Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cpu", backend="megakernel", num_pages=64))
+        load_engine(tiny_checkpoint, EngineSettings(device="cpu", backend="megakernel", num_pages=64))
 
 
 @pytest.mark.parametrize("name, value", [("step_timeout_s", 0), ("first_step_timeout_s", None),

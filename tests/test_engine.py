@@ -4,6 +4,8 @@ seeds, stop strings, errors. Greedy outputs are checked against the reference mo
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 import torch
@@ -12,8 +14,12 @@ from northcode.engine.engine import Engine
 from northcode.engine.request import RequestOutput, SamplingParams
 from northcode.engine.settings import EngineSettings
 from northcode.model.model import NorthModel
+from northcode.runtime import load_engine
 
 PAGE = 16  # small pages: more page crossings, evictions and cached blocks per token
+# KV pool of a test's CPU engine: 64 MiB, 4096 pages of 16 tokens (a few of the tiny model's 4096-token sequences);
+# the CPU default's 2 GiB is zero-filled and resident, and module fixtures hold two engines at once
+TEST_KV_BYTES = 64 << 20
 
 
 def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
@@ -21,8 +27,8 @@ def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
 
 
 def make_engine(checkpoint, **settings) -> Engine:
-    defaults = dict(page_size=PAGE, chunk_size=24, device="cpu", seed=0)
-    return Engine.from_model_dir(checkpoint, EngineSettings(**{**defaults, **settings}))
+    defaults = dict(page_size=PAGE, chunk_size=24, device="cpu", seed=0, cpu_kv_bytes=TEST_KV_BYTES)
+    return load_engine(checkpoint, EngineSettings(**{**defaults, **settings}))
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +248,22 @@ def test_a_failed_step_ends_the_running_requests_with_the_error_and_the_engine_g
         assert len(tokens_of(run(engine, [(prompt_of(10, salt=15), greedy(5))])[0])) == 5
     finally:
         engine.shutdown()
+
+
+def test_a_shut_down_engine_is_freed_by_reference_counting(tiny_checkpoint):
+    """No reference cycle holds an engine (the watchdog's callbacks, the step thread, the backend's helpers):
+    shut down and let go, it is freed at once, its backend and KV pool with it, without the cyclic collector."""
+    engine = make_engine(tiny_checkpoint)
+    run(engine, [(prompt_of(10, salt=18), greedy(3))])
+    engine.shutdown()
+    alive = [weakref.ref(engine), weakref.ref(engine.backend), weakref.ref(engine.backend.kv_pool)]
+    gc.collect()  # what earlier tests left behind; the engine is still referenced here
+    gc.disable()
+    try:
+        del engine
+        assert [ref() is None for ref in alive] == [True, True, True]
+    finally:
+        gc.enable()
 
 
 def test_stop_token_ids_one_token_prompts_and_the_context_limit(engine, reference):

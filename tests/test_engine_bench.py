@@ -9,7 +9,7 @@ from northcode.cli import main
 
 def test_bench_engine_json_on_the_tiny_checkpoint(capsys):
     code = main(["bench", "engine", "--json", "--device", "cpu", "--batch-sizes", "1,2", "--prompt-len", "70",
-                 "--turn-len", "8", "--context", "40", "--decode-tokens", "5"])
+                 "--turn-len", "8", "--context", "40", "--decode-tokens", "5", "--num-pages", "1024"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["prompt_len"] == 70 and result["ttft_cold_s"] > 0 and result["prefill_tokens_per_s"] > 0
@@ -22,7 +22,7 @@ def test_bench_engine_json_on_the_tiny_checkpoint(capsys):
 
 def test_bench_engine_table_names_the_backend_and_why(capsys):
     code = main(["bench", "engine", "--preset", "tiny", "--device", "cpu", "--backend", "torch", "--batch-sizes", "1",
-                 "--prompt-len", "20", "--turn-len", "4", "--context", "12", "--decode-tokens", "3"])
+                 "--prompt-len", "20", "--turn-len", "4", "--context", "12", "--decode-tokens", "3", "--num-pages", "1024"])
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("torch backend") and lines[1] == "  (asked for (backend = torch))"

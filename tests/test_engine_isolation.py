@@ -22,7 +22,7 @@ from northcode.megakernel.backend import MegakernelBackend
 from northcode.megakernel.kernel import PAGE_SIZE, ROW_FORMAT, RowSpec
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.tokenizer import Tokenizer
-from tests.test_engine import collect, greedy, make_engine, prompt_of, run, tokens_of
+from tests.test_engine import TEST_KV_BYTES, collect, greedy, make_engine, prompt_of, run, tokens_of
 from tests.test_megakernel_backend_cpu import FakeMegakernel
 
 MAX_MODEL_LEN = 80  # max_tokens of 2^63 ends at the context, after 80 - 12 tokens
@@ -125,7 +125,8 @@ def kernel_engine(tiny_checkpoint):
         return MegakernelBackend(config, weights, num_pages, s.page_size, s.max_batch, max_pages,
                                  kernel_factory=PackingKernel)
 
-    settings = EngineSettings(page_size=PAGE_SIZE, chunk_size=512, device="cpu", seed=0, max_model_len=MAX_MODEL_LEN)
+    settings = EngineSettings(page_size=PAGE_SIZE, chunk_size=512, device="cpu", seed=0, max_model_len=MAX_MODEL_LEN,
+                              cpu_kv_bytes=TEST_KV_BYTES)
     engine = Engine(config, weights, Tokenizer.from_dir(tiny_checkpoint), settings, backend_factory=build)
     yield engine, alone_of(engine)
     engine.shutdown()
@@ -174,7 +175,6 @@ def test_a_failure_traced_to_one_requests_sampling_ends_only_that_request(tiny_c
                     (prompt_of(18, salt=45), greedy(10, logprobs=2))]
         alone = [tokens_of(run(engine, [r])[0]) for r in requests[:2] + requests[3:]]
         monkeypatch.setattr(sampling, "noise_seed", noise_seed)
-        monkeypatch.setattr("northcode.torch_backend.launch.noise_seed", noise_seed)
         together = run(engine, requests)
         failed = together[2][-1]
         assert failed.finish_reason == "error" and "injected" in failed.error and "sampling" in failed.error

@@ -1,6 +1,6 @@
 """The pipelined step (pipeline.py) on the tiny checkpoint: TorchBackend's own launch_decode (carried rows fed
 from the tokens the previous launch sampled, kept as a tensor; sampled on the device; read one step later)
-gives exactly the outputs of the unpipelined engine (the same backend without launch_decode): batching, stop
+gives exactly the outputs of the unpipelined engine (the same backend, decoded step by step): batching, stop
 strings and token ids, max_tokens, aborts, seeds, penalties (which turn pipelining off until they are gone),
 preemption, and no page leaks."""
 
@@ -17,10 +17,10 @@ from northcode.engine.settings import EngineSettings
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.tokenizer import Tokenizer
 from northcode.torch_backend.backend import TorchBackend
-from tests.test_engine import (assert_a_tiny_pool_preempts_and_completes_as_alone, greedy, make_engine, prompt_of, run,
-                               tokens_of)
+from tests.test_engine import (TEST_KV_BYTES, assert_a_tiny_pool_preempts_and_completes_as_alone, greedy, make_engine,
+                               prompt_of, run, tokens_of)
 
-SETTINGS = dict(page_size=16, chunk_size=24, device="cpu", seed=0)
+SETTINGS = dict(page_size=16, chunk_size=24, device="cpu", seed=0, cpu_kv_bytes=TEST_KV_BYTES)
 
 
 class LaunchingBackend(TorchBackend):
@@ -33,12 +33,6 @@ class LaunchingBackend(TorchBackend):
         LaunchingBackend.carried += sum(c >= 0 for c in carry)
         LaunchingBackend.rows += len(carry)
         return super().launch_decode(batch, carry)
-
-
-class UnpipelinedBackend(TorchBackend):
-    """The same backend, offering no launch_decode: the engine decodes step by step (the reference)."""
-
-    launch_decode = None
 
 
 def factory_of(backend_class):
@@ -66,7 +60,8 @@ def piped(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def plain(tiny_checkpoint):
-    engine = engine_with(tiny_checkpoint, UnpipelinedBackend)
+    engine = engine_with(tiny_checkpoint, TorchBackend)
+    engine._pipelined = lambda: False  # the engine decodes step by step (the reference)
     assert not engine._pipelined()
     yield engine
     engine.shutdown()

@@ -16,7 +16,7 @@ from northcode.engine.settings import EngineSettings
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.tokenizer import Tokenizer
 from northcode.torch_backend.backend import TorchBackend
-from tests.test_engine import greedy, prompt_of, run, tokens_of
+from tests.test_engine import TEST_KV_BYTES, greedy, prompt_of, run, tokens_of
 
 
 class FailingOnceBackend(TorchBackend):
@@ -51,7 +51,7 @@ def test_the_old_backend_is_released_before_the_new_one_is_built(tiny_checkpoint
     FailingOnceBackend.calls = 0
     factory = TrackingFactory()
     config, weights = load_checkpoint(tiny_checkpoint, device=torch.device("cpu"), dtype=torch.float32)
-    settings = EngineSettings(page_size=16, chunk_size=24, device="cpu", seed=0)
+    settings = EngineSettings(page_size=16, chunk_size=24, device="cpu", seed=0, cpu_kv_bytes=TEST_KV_BYTES)
     engine = Engine(config, weights, Tokenizer.from_dir(tiny_checkpoint), settings, backend_factory=factory)
     params = greedy(6) if pipelined else greedy(6, logprobs=0)  # logprobs: unpipelined decode
     try:

@@ -19,7 +19,7 @@ from northcode.engine.watchdog import StepWatchdog
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.tokenizer import Tokenizer
 from northcode.torch_backend.backend import TorchBackend
-from tests.test_engine import greedy, make_engine, prompt_of, run, tokens_of
+from tests.test_engine import TEST_KV_BYTES, greedy, make_engine, prompt_of, run, tokens_of
 
 
 class BlockingFactory:
@@ -48,7 +48,7 @@ class BlockingFactory:
 
 
 def watched_engine(checkpoint, factory, **settings) -> Engine:
-    values = dict(page_size=16, chunk_size=24, device="cpu", seed=0, max_batch=1, step_timeout_s=0.3,
+    values = dict(page_size=16, chunk_size=24, device="cpu", seed=0, cpu_kv_bytes=TEST_KV_BYTES, max_batch=1, step_timeout_s=0.3,
                   first_step_timeout_s=20.0, hang_grace_s=20.0)  # the blocked step's shape ran before: 0.3 s
     values.update(settings)
     config, weights = load_checkpoint(checkpoint, device=torch.device("cpu"), dtype=torch.float32)

@@ -1,6 +1,6 @@
 """MegakernelBackend's bookkeeping on the CPU (megakernel/backend.py), over FakeMegakernel: the kernel's Python
 interface (step, io, tokens, logits, schedule; sticky status) computed by the torch decode step on the shared
-pools and sampled by torch_backend.launch.sample_on_device, so its tokens are TorchBackend's. What this checks: rows
+pools and sampled by engine/sampling.sample_on_device, so its tokens are TorchBackend's. What this checks: rows
 cut into launches of 8, carried tokens (gathered, or left in the io buffer), rows that join, leave and
 reorder, draw numbers, logits for the engine's Sampler, status failures raised when a step is read, and the
 Engine pipelining over it with the torch engine's outputs. The real kernel: tests/gpu/test_megakernel_backend_gpu.py.
@@ -19,7 +19,7 @@ from northcode.engine.engine import Engine
 from northcode.engine.kv_cache import KVCacheManager
 from northcode.engine.pipeline import IN_FLIGHT
 from northcode.engine.request import SamplingParams
-from northcode.engine.sampling import SamplingRow
+from northcode.engine.sampling import BatchSamplingArgs, SamplingRow, sample_on_device
 from northcode.engine.settings import EngineSettings
 from northcode.megakernel.backend import MegakernelBackend
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, RowSpec
@@ -27,7 +27,6 @@ from northcode.megakernel.tasks import attention_splits
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.tokenizer import Tokenizer
 from northcode.torch_backend.backend import TorchBackend
-from northcode.torch_backend.launch import sample_on_device
 from tests.test_engine import greedy, prompt_of, run, tokens_of
 from tests.test_torch_backend import SAMPLING, host_fed_batch, launch_batch, prefill
 
@@ -72,11 +71,11 @@ class FakeMegakernel:
         positions = torch.tensor([r.position for r in rows])
         pages = -(-(max(r.position for r in rows) + 1) // PAGE_SIZE)
         logits = self.backend.decode_step(torch.tensor(inputs), positions, torch.tensor([r.seq for r in rows]), pages)
-        rows_params = [SamplingRow(SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                                  min_p=r.min_p), r.seed + self.draw_salt, [], [IN_FLIGHT] * r.step)
-                       for r in rows]
+        sampling = BatchSamplingArgs.prepare(
+            [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p) for r in rows],
+            [r.seed + self.draw_salt for r in rows], [r.step for r in rows])
         self.logits[:n] = logits
-        self.tokens[:n] = sample_on_device(logits, rows_params).to(torch.int32)
+        self.tokens[:n] = sample_on_device(logits, sampling).to(torch.int32)
 
     def _report(self, code: int, a: int, b: int) -> None:
         if self.io[MAX_BATCH] == 0:
@@ -224,7 +223,7 @@ def test_launch_refuses_what_it_cannot_run(tiny):
     backend.decode(launch_batch(kv, [0], [6], [len(prompts[0])], [row]))  # host-fed: nothing left to carry
     with pytest.raises(ValueError, match="the previous launch had 0 rows"):
         backend.launch_decode(launch_batch(kv, [0], [-1], [len(prompts[0]) + 1], [row]), [0])
-    assert not backend.can_sample(SamplingParams(logprobs=2)) and backend.can_sample(SamplingParams(top_p=0.5))
+    assert not SamplingParams(logprobs=2).is_device_sampled and SamplingParams(top_p=0.5).is_device_sampled
     backend.warm_up()  # every launch size, one context per split bucket up to the longest sequence
     longest = MAX_PAGES * PAGE_SIZE - 1
     for b in range(1, MAX_BATCH + 1):
@@ -302,7 +301,7 @@ def test_the_engine_pipelines_twelve_requests_over_the_kernel_with_the_torch_eng
     assert any(in_place for _, in_place in backend.kernel.launches[before:])  # rows fed from the io buffer
     assert [outcome(o) for o in got] == [outcome(o) for o in run(reference, requests)]
     assert [outcome(o) for o in got] == [outcome(run(fake, [r])[0]) for r in requests]  # each alone
-    assert fake.stats()["pages_used"] == 0 and fake._launched is None
+    assert fake.stats()["pages_used"] == 0 and fake.pipeline.launched is None
 
 
 def test_penalties_and_logprobs_arriving_mid_stream_decode_through_the_engines_sampler(engines):

@@ -114,7 +114,7 @@ def test_backend_refuses_a_machine_without_hopper() -> None:
     config = preset_config("tiny", 1003)
     with pytest.raises(ValueError, match="backend = 'megakernel'.*(Hopper|page_size)"):
         MegakernelBackend(config, {}, 16, 64, 2, 4)
-    with pytest.raises(ValueError, match="page_size 16"):
+    with pytest.raises(ValueError, match="page_size is 16"):
         MegakernelBackend(config, {}, 16, 16, 2, 4)
 
 

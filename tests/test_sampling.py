@@ -140,14 +140,14 @@ def test_no_validated_parameter_makes_a_token_or_a_logprob_that_is_not_a_number(
 
 
 def test_the_device_sampler_draws_the_samplers_tokens_for_extreme_parameters():
-    from northcode.torch_backend.launch import sample_on_device
+    from northcode.engine.sampling import BatchSamplingArgs, sample_on_device
 
     vocab = 64
     logits = torch.randn(len(EXTREME_PARAMS), vocab, generator=torch.Generator().manual_seed(1)) * 30
     rows = [r for r in extreme_rows(vocab) if r.params.repetition_penalty == 1 and not r.params.presence_penalty]
     rows = [SamplingRow(r.params, r.seed, [], []) for r in rows]
     expected = Sampler().sample(logits[:len(rows)], rows).token_ids
-    assert sample_on_device(logits[:len(rows)], rows).tolist() == expected
+    assert sample_on_device(logits[:len(rows)], BatchSamplingArgs.of_rows(rows)).tolist() == expected
 
 
 def test_validation_names_the_field_and_accepts_what_the_engine_clamps():

@@ -7,7 +7,8 @@ import pytest
 from northcode.config import ModelConfig
 from northcode.engine.kv_cache import KVCacheManager
 from northcode.engine.request import SamplingParams
-from northcode.engine.scheduler import Scheduler, Sequence, SequenceStatus, StepPlan
+from northcode.engine.scheduler import Scheduler, StepPlan
+from northcode.engine.sequence import Sequence, SequenceStatus
 
 PAGE = 4
 

@@ -7,15 +7,16 @@ import contextlib
 import pytest
 import torch
 
-from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
+from northcode.engine.backend import MIN_CONTEXT_PAGES, DecodeBatch, PrefillBatch, PrefillChunk, context_bucket
 from northcode.engine.kv_cache import KVCacheManager
 from northcode.engine.request import SamplingParams
-from northcode.engine.sampling import Sampler, SamplingRow
+from northcode.engine.sampling import BatchSamplingArgs, Sampler, SamplingRow, sample_on_device
 from northcode.model.checkpoint import load_checkpoint
 from northcode.model.model import NorthModel, route, run_experts
-from northcode.torch_backend.backend import MIN_CONTEXT_PAGES, TorchBackend, context_bucket
-from northcode.torch_backend.launch import sample_on_device
+from northcode.torch_backend.backend import TorchBackend
 from northcode.torch_backend.routed_experts import add_moe
+
+NO_SAMPLING = BatchSamplingArgs.of_rows([])  # a batch that asks for logits only
 
 PAGE = 16  # small pages: the tiny model's 32-token window spans three of them
 
@@ -42,7 +43,7 @@ def decode(kv, backend, rows, tokens_by_row, positions):
     for row, pos in zip(rows, positions):
         kv.evict_behind_window(row, pos)
         kv.allocate(row, pos + 1)
-    batch = DecodeBatch(rows, [t[p] for t, p in zip(tokens_by_row, positions)], positions, [], False, True,
+    batch = DecodeBatch(rows, [t[p] for t, p in zip(tokens_by_row, positions)], positions, NO_SAMPLING, False, True,
                         kv.block_tables, kv.version, kv.high_water)
     return backend.decode(batch).logits
 
@@ -134,7 +135,7 @@ def test_padded_rows_touch_only_the_scratch_page_and_change_no_real_row(tiny):
     for row, seq in enumerate(seqs):
         prefill(kv, backend, row, seq, 0, len(seq) - 1)
         kv.allocate(row, len(seq))
-    backend.upload_tables(kv.block_tables, kv.version)
+    backend.device_tables.upload(kv.block_tables, kv.version)
     before = backend.kv_pool.clone()
     def step(tokens, positions, rows):
         return backend.decode_step(torch.tensor(tokens), torch.tensor(positions), torch.tensor(rows), 4)
@@ -253,14 +254,16 @@ def test_the_device_sampler_draws_the_tokens_of_the_pytorch_sampler(kinds):
         logits = torch.randn(len(kinds), 300, generator=gen) * 3
         rows = [SamplingRow(SAMPLING[k], seed=trial * 7 + b, prompt_ids=[1, 2], output_ids=[5] * (trial % 4))
                 for b, k in enumerate(kinds)]
-        assert sample_on_device(logits, rows).tolist() == Sampler().sample(logits, rows).token_ids
+        assert sample_on_device(logits, BatchSamplingArgs.of_rows(rows)).tolist() == Sampler().sample(logits, rows).token_ids
 
 
 def launch_batch(kv, rows, tokens, positions, sampling) -> DecodeBatch:
+    """sampling: a SamplingRow per row (its output_ids' length is the draw number)."""
     for row, pos in zip(rows, positions):
         kv.evict_behind_window(row, pos)
         kv.allocate(row, pos + 1)
-    return DecodeBatch(rows, tokens, positions, sampling, True, False, kv.block_tables, kv.version, kv.high_water)
+    return DecodeBatch(rows, tokens, positions, BatchSamplingArgs.of_rows(sampling), True, False, kv.block_tables,
+                       kv.version, kv.high_water)
 
 
 def host_fed_batch(kv, order, prompts, outputs, sampling) -> DecodeBatch:

@@ -130,7 +130,7 @@ def test_every_compiled_layer_writes_the_kv_pool_itself_so_inductor_writes_it_in
     kv = KVCacheManager(config, 64, PAGE, 2, 8)
     for row, pos in zip(rows.tolist(), positions.tolist()):
         kv.allocate(row, pos + 1)
-    backend.upload_tables(kv.block_tables, kv.version, kv.high_water)
+    backend.device_tables.upload(kv.block_tables, kv.version, kv.high_water)
     specs = compiled.layer_specs[False]
     with torch.inference_mode(), compiled_step._dynamo_limits():
         x, h, cos, sin, write_slots, *views = compiled_step.prepare_step(
@@ -181,12 +181,11 @@ def test_compiled_pool_stays_under_32_bit_offsets_and_the_engine_caps_its_pool()
     """compiled_pool_pages: the largest pool the compiled step indexes with 32-bit offsets; the engine sizes its
     pool to it where the torch backend will compile (a 68 GB pool failed flex_attention's Triton
     compile), and not where it will not."""
-    from types import SimpleNamespace
-
-    from northcode.engine.backend_choice import BackendChoice
-    from northcode.engine.engine import Engine
+    from northcode.engine.backend import BackendChoice
+    from northcode.engine.engine import kv_page_budget
     from northcode.engine.settings import EngineSettings
     from northcode.model.synthetic import preset_config
+    from northcode.runtime import page_limit
     from northcode.torch_backend.compiled_step import compiled_pool_pages
 
     config = preset_config("north-mini-code")
@@ -194,10 +193,11 @@ def test_compiled_pool_stays_under_32_bit_offsets_and_the_engine_caps_its_pool()
     per_page = 2 * 64 * config.num_key_value_heads * config.head_dim
     assert (pages + 1) * per_page < 2 ** 31 <= (pages + 2) * per_page
     cpu, huge = torch.device("cpu"), 1 << 40  # a byte budget far past the cap
-    torch_engine = SimpleNamespace(backend_choice=BackendChoice("torch", "test"))
-    budget = Engine._page_budget(torch_engine, config, EngineSettings(compile=True, cpu_kv_bytes=huge), torch.float32, cpu)
-    assert budget == pages
-    eager = Engine._page_budget(torch_engine, config, EngineSettings(compile=False, cpu_kv_bytes=huge), torch.float32, cpu)
-    kernel = Engine._page_budget(SimpleNamespace(backend_choice=BackendChoice("megakernel", "test")), config,
-                                 EngineSettings(compile=True, cpu_kv_bytes=huge), torch.float32, cpu)
-    assert eager == kernel > pages
+
+    def budget(backend: str, **settings) -> int:
+        values = EngineSettings(cpu_kv_bytes=huge, **settings)
+        return kv_page_budget(config, values, torch.float32, cpu,
+                              page_limit(BackendChoice(backend, "test"), config, values, cpu))
+
+    assert budget("torch", compile=True) == pages
+    assert budget("torch", compile=False) == budget("megakernel", compile=True) > pages

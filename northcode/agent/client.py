@@ -11,13 +11,14 @@ by index, as OpenAI streams them: id/name on the first delta, argument fragments
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+
+from northcode.config import env_api_key
 
 
 class EndpointError(RuntimeError):
@@ -105,7 +106,7 @@ class ChatClient:
         """`api_key` defaults to $NORTHCODE_API_KEY (a key on the command line would show in `ps`)."""
         self.root, self.base_url = split_endpoint(endpoint)
         self.model = model
-        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        api_key = api_key if api_key is not None else env_api_key()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0))
 

@@ -23,10 +23,11 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import sys
 
 import torch
+
+from northcode.config import env_report_path
 
 ERR_FACTOR = 2.0  # the kernel may be this many times farther from fp32 than the bf16 torch path is ...
 ERR_FLOOR = 2e-3  # ... plus this (relative error of the logits: a few bf16 roundings)
@@ -220,7 +221,7 @@ def report(record: dict, path: str | None = None) -> None:
     short = {k: v for k, v in record.items() if k not in ("per_layer", "failures")}
     short["failures"] = len(record.get("failures", []))
     print(json.dumps(short))
-    path = path or os.environ.get("NC_REPORT")
+    path = path or env_report_path()
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")

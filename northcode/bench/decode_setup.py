@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from northcode.config import ModelConfig
-
-PAGE_SIZE = 64
+from northcode.engine.settings import PAGE_SIZE
 
 
 @dataclass

@@ -73,9 +73,8 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def build_engine(args: argparse.Namespace):
-    from northcode.engine.engine import Engine, resolve_device, resolve_dtype
+    from northcode import runtime
     from northcode.engine.settings import EngineSettings
-    from northcode.engine.backend_choice import check_backend_setting
 
     sizes = parse_batch_sizes(args.batch_sizes)
     settings = EngineSettings(max_batch=max(8, *sizes), chunk_size=args.chunk_size, device=args.device,
@@ -85,15 +84,15 @@ def build_engine(args: argparse.Namespace):
         from northcode.paths import resolve_model
 
         model_dir = resolve_model(args.model)
-        check_backend_setting(model_dir, settings)  # a megakernel that cannot run: refused before reading weights
-        return Engine.from_model_dir(model_dir, settings)
+        runtime.check_backend_setting(model_dir, settings)  # a megakernel that cannot run: refused before loading
+        return runtime.load_engine(model_dir, settings)
     from northcode.model.synthetic import TOKENIZER_VOCAB_SIZE, preset_config, random_weights
 
     config = preset_config(args.preset, vocab_size=TOKENIZER_VOCAB_SIZE if args.preset == "tiny" else None)
-    check_backend_setting(config, settings)
-    device = resolve_device(settings.device)
-    weights = random_weights(config, device=device, dtype=resolve_dtype(settings.dtype, device))
-    return Engine(config, weights, None, settings, model_name=f"{args.preset} (random weights)")
+    runtime.check_backend_setting(config, settings)
+    device = runtime.resolve_device(settings.device)
+    weights = random_weights(config, device=device, dtype=runtime.resolve_dtype(settings.dtype, device))
+    return runtime.build_engine(config, weights, None, settings, model_name=f"{args.preset} (random weights)")
 
 
 async def generate_one(engine, request_id: str, prompt: list[int], max_tokens: int):

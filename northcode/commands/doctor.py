@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import re
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
+from northcode.megakernel.support import KERNEL_CAPABILITY, MIN_NVCC_RELEASE, nvcc_path, nvcc_release
+
 HELP = "report Python, torch, CUDA, nvcc and the model northcode would load"
-MEGAKERNEL_ARCH = (9, 0)  # the decode megakernel is compiled for sm_90a (H100 / H200)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,18 +76,8 @@ def _torch_info() -> dict[str, Any]:
 
 
 def _nvcc_info() -> dict[str, Any]:
-    path = shutil.which("nvcc")
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if path is None and home and (Path(home) / "bin" / "nvcc").is_file():
-            path = str(Path(home) / "bin" / "nvcc")
-    if path is None:
-        return {"path": None, "version": None}
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return {"path": path, "version": None, "error": str(err)}
-    match = re.search(r"release (\d+\.\d+)", out)
-    return {"path": path, "version": match.group(1) if match else None}
+    path = nvcc_path()  # the megakernel's own search (megakernel/support.py)
+    return {"path": path, "version": nvcc_release(path) if path else None}
 
 
 def _megakernel_verdict(torch_info: dict[str, Any], nvcc: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +86,7 @@ def _megakernel_verdict(torch_info: dict[str, Any], nvcc: dict[str, Any]) -> dic
     if not torch_info.get("cuda_build"):
         reasons.append("torch is a CPU build")
     devices = torch_info.get("devices", [])
-    wanted = "{}.{}".format(*MEGAKERNEL_ARCH)
+    wanted = "{}.{}".format(*KERNEL_CAPABILITY)
     if not torch_info.get("cuda_available"):
         reasons.append("no CUDA GPU is visible")
     elif not any(d["compute_capability"] == wanted for d in devices):
@@ -108,8 +94,8 @@ def _megakernel_verdict(torch_info: dict[str, Any], nvcc: dict[str, Any]) -> dic
         reasons.append(f"needs an sm_90 GPU (H100/H200), found {found}")
     if nvcc.get("path") is None:
         reasons.append("nvcc is not on PATH (nor in CUDA_HOME or /usr/local/cuda)")
-    elif nvcc.get("version") and int(nvcc["version"].split(".")[0]) < 12:
-        reasons.append(f"nvcc {nvcc['version']} is too old for sm_90a (needs 12.0 or later)")
+    elif nvcc.get("version") and int(nvcc["version"].split(".")[0]) < MIN_NVCC_RELEASE:
+        reasons.append(f"nvcc {nvcc['version']} is too old for sm_90a (needs {MIN_NVCC_RELEASE}.0 or later)")
     return {"can_run": not reasons, "why_not": reasons}
 
 

@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     from northcode.engine.settings import EngineSettings
     from northcode.paths import model_display_name, resolve_model
+    from northcode.runtime import check_backend_setting
     from northcode.server.app import create_app
-    from northcode.engine.backend_choice import check_backend_setting
     from northcode.server.state import DEFAULT_SYSTEM_PROMPT, ServerOptions, ServerState
 
     if not 0 <= args.port <= 65535:

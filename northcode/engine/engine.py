@@ -6,20 +6,17 @@ RequestOutputs (the last has finished=True, usage and timings), `abort(request_i
 enqueues; the step thread owns every mutable part (scheduler, pages, sequences) and hands outputs back
 through `loop.call_soon_threadsafe` into one asyncio.Queue per request, so the event loop never blocks.
 A step: schedule -> prefill chunks -> one decode step for all decoding rows -> sample -> detokenise,
-check stops -> emit. It knows nothing of HTTP or chat templates.
+check stops -> emit. It knows nothing of HTTP or chat templates, and imports no backend: it builds one
+with the `backend_factory` it is given (northcode/runtime.py chooses torch or the megakernel, and says why).
 
 Threads: torch's CPU pool is sized once, at start (settings.cpu_threads: not one per core by default).
-Backend: backend_choice.py resolves settings.backend (auto, torch, megakernel) and says why; stats() has
-"backend" and "backend_reason". Hangs: the model part of each step (prefill, decode, sampling) runs under
-the step watchdog (watchdog.py); a step that overruns or raises ends its requests with an error and the
-backend is rebuilt (recovery.py), or, when the device is lost, `fatal_error` is set and reported.
-
-Pipelining (pipeline.py): with a backend that offers launch_decode, the step launches decode n+1 before
-it reads step n's tokens (rows feed the token they sampled from device memory), so the GPU does not wait
-while this thread detokenises, checks stops and schedules. Both backends offer it: TorchBackend
-(torch_backend/launch.py; synchronously on the CPU) and MegakernelBackend (megakernel/backend.py). Unpipelined,
-the backend samples every row it can and the Sampler the rest (penalties), so a seed's tokens do not
-depend on what else is in the batch.
+Hangs and failures: the model part of each step runs through its StepGuard (recovery.py, the watchdog); a
+step that overruns or raises ends its requests with an error (only the request whose sampling cannot be
+built, when one is to blame) and the backend is rebuilt, or, when the device is lost, `fatal_error` is set
+and reported. Pipelining (pipeline.py): while every request is device-sampled, the step launches decode n+1
+before it reads step n's tokens, so the GPU does not wait while this thread detokenises, checks stops and
+schedules; otherwise the backend samples on the device the rows that are device-sampled and the Sampler the
+rest (penalties, logprobs), so a seed's tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -30,71 +27,35 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from northcode.config import ModelConfig
-from northcode.engine.backend import DecodeBatch, ModelBackend, PrefillBatch, PrefillChunk
-from northcode.engine.backend_choice import BackendChoice, build_backend, choose_backend
+from northcode.engine.backend import BackendChoice, BackendFactory, DecodeBatch, ModelBackend, PrefillBatch, PrefillChunk
 from northcode.engine.kv_cache import KVCacheManager, page_bytes
-from northcode.engine.pipeline import LaunchedStep, PipelinedSteps
-from northcode.engine.recovery import StepAbandoned, StepRecovery, describe_step, step_shapes
-from northcode.engine.request import RequestOutput, SamplingParams, Timings, TokenLogprob, Usage
-from northcode.engine.sampling import Sampler, SamplingRow, StopStringFilter
-from northcode.engine.scheduler import Scheduler, Sequence, StepPlan
+from northcode.engine.pipeline import DecodePipeline, can_pipeline, read_tokens
+from northcode.engine.recovery import RESTART, StepGuard, attempt, fault_of, step_shapes
+from northcode.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from northcode.engine.sampling import BatchSamplingArgs, Sampler, SamplingRow, StopStringFilter
+from northcode.engine.scheduler import Scheduler, StepPlan
+from northcode.engine.sequence import RequestState, Sequence
 from northcode.engine.settings import EngineSettings, cpu_threads
-from northcode.engine.watchdog import StepWatchdog
 from northcode.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # the step thread sleeps at most this long when there is nothing to run
-
-
-@dataclass(eq=False)
-class _Request:
-    """A request's engine-side state: its sequence, where its outputs go, and its text filters."""
-
-    sequence: Sequence
-    queue: asyncio.Queue  # of RequestOutput, read by generate() on `loop`
-    loop: asyncio.AbstractEventLoop
-    detokenizer: IncrementalDetokenizer | None  # None: an engine without a tokenizer (benchmarks) emits no text
-    stops: StopStringFilter
-    last_token_at: float | None = None
-    latencies: list[float] = field(default_factory=list)
-    time_to_first_token: float | None = None
-    ended: bool = False  # its final output was sent by the watchdog or a fatal error (the step thread drops it)
-
-    def emit(self, output: RequestOutput) -> None:
-        """Hand an output to the request's event loop (called from the step thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"engine setting device = {name!r}: CUDA is not available on this machine")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
-
 GPU_WORKSPACE_BYTES = 3 << 30  # kept out of the pool: prefill activations and attention scores, graphs
+CALLER_REASON = "given by the caller (backend_factory)"  # backend_reason of a factory that gives none
+
+Sampled = list[tuple[Sequence, int, TokenLogprob | None]]  # a step's tokens: (sequence, token, its logprob)
 
 
-def kv_page_budget(config: ModelConfig, settings: EngineSettings, dtype: torch.dtype, device: torch.device) -> int:
+def kv_page_budget(config: ModelConfig, settings: EngineSettings, dtype: torch.dtype, device: torch.device,
+                   max_pages: int | None = None) -> int:
     """Pages of the pool: fixed, or (free GPU memory - workspace) x gpu_memory_fraction, or the CPU byte
-    budget. The workspace also covers the torch backend's fused QKV copy of the attention weights."""
+    budget, at most `max_pages` (the backend's limit). The workspace also covers the torch backend's fused
+    QKV copy of the attention weights."""
     if settings.num_pages is not None:
         return settings.num_pages
     if device.type == "cuda":
@@ -104,7 +65,11 @@ def kv_page_budget(config: ModelConfig, settings: EngineSettings, dtype: torch.d
         budget = int(max(0, free_bytes - GPU_WORKSPACE_BYTES - qkv_bytes) * settings.gpu_memory_fraction)
     else:
         budget = settings.cpu_kv_bytes
-    return max(1, budget // page_bytes(config, settings.page_size, dtype))
+    pages = max(1, budget // page_bytes(config, settings.page_size, dtype))
+    if max_pages is not None and pages > max_pages:
+        log.info("KV pool: %d pages of the %d that fit: the backend's limit", max_pages, pages)
+        return max_pages
+    return pages
 
 
 def context_limit(config: ModelConfig, settings: EngineSettings, kv: KVCacheManager) -> int:
@@ -122,73 +87,50 @@ def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
     return logits if index == list(range(logits.shape[0])) else logits[index]
 
 
-BackendFactory = Callable[[ModelConfig, dict, EngineSettings, int, int], ModelBackend]
-# (config, weights, settings, num_pages, max_pages_per_seq) -> a new backend: what the engine builds at start
-# and again after a hung or failed step
+def _history(sequences: list[Sequence]) -> list[SamplingRow]:
+    return [SamplingRow(s.params, s.seed, s.prompt_ids, s.output_ids) for s in sequences]
 
 
-class Engine(StepRecovery, PipelinedSteps):
+class Engine:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer | None,
-                 settings: EngineSettings | None = None, model_name: str = "model",
-                 backend_factory: BackendFactory | None = None) -> None:
+                 settings: EngineSettings | None = None, model_name: str = "model", *,
+                 backend_factory: BackendFactory, max_pages: int | None = None) -> None:
+        """backend_factory builds the backend, now and after a failed step (runtime.py's BackendBuilder, or a
+        test's); max_pages: the most KV pages that backend can run over (None: no limit)."""
         self.settings = settings = settings or EngineSettings()
         torch.set_num_threads(cpu_threads(settings.num_threads))  # process-wide; before any step runs
         log.info("engine: %d CPU threads for torch", torch.get_num_threads())
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self._weights = weights  # kept on the device: a restarted backend is built from them again
-        device = weights["model.embed_tokens.weight"].device
-        dtype = weights["model.embed_tokens.weight"].dtype
-        if backend_factory is None:
-            self.backend_choice = choose_backend(config, settings, device, dtype)
-        else:
-            self.backend_choice = BackendChoice("?", "given by the caller (backend_factory)")
-        self.num_pages = num_pages = self._page_budget(config, settings, dtype, device)
-        probe = KVCacheManager(config, num_pages, settings.page_size, 1, 1)
-        self.max_model_len = context_limit(config, settings, probe)
+        embed = weights["model.embed_tokens.weight"]
+        self.num_pages = num_pages = kv_page_budget(config, settings, embed.dtype, embed.device, max_pages)
+        self.max_model_len = context_limit(config, settings, KVCacheManager(config, num_pages, settings.page_size, 1, 1))
         if self.max_model_len < 2:
             raise ValueError(f"the KV pool of {num_pages} pages cannot hold even a 2-token sequence")
         self.max_pages_per_seq = -(-self.max_model_len // settings.page_size)
         self.kv, self.scheduler = self._fresh_cache()
         self._backend_factory = backend_factory
-        self.backend = self._build_backend()
+        self.backend_choice = BackendChoice("?", CALLER_REASON)
+        self.backend: ModelBackend | None = self._build_backend()
         log.info("engine backend: %s (%s)", self.backend_choice.name, self.backend_choice.reason)
-        self.sampler = Sampler()
+        self.sampler, self.pipeline = Sampler(), DecodePipeline()
+        self.guard = StepGuard(settings, self._on_step_overdue, self._on_step_lost)
         self._seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self._arrivals = 0
         self._lock = threading.Condition()
-        self._inbox: list[_Request] = []
+        self._inbox: list[RequestState] = []
         self._aborts: list[str] = []
-        self._requests: dict[str, _Request] = {}  # step thread only (the watchdog reads it while a step hangs)
+        self._requests: dict[str, RequestState] = {}  # step thread only (the watchdog reads it while a step hangs)
         self._ids: set[str] = set()  # ids submitted and not yet finished (any thread, under the lock)
         self._stats: dict[str, object] = {}
         self._stopping = False
         self._in_step: list[Sequence] = []  # the sequences of the step running now
-        self._launched: LaunchedStep | None = None  # the decode step launched and not yet read (pipeline.py)
-        self._shapes_seen: set[tuple] = set()  # step shapes run since the backend was built (watchdog limits)
         self.restarts = 0  # backend restarts after a hung or failed step
         self.fatal_error: str | None = None  # set once the device is lost; every request then fails with it
         self._fatal_listeners: list[Callable[[str], None]] = []
-        self._watchdog = None
-        if settings.step_timeout_s is not None:
-            self._watchdog = StepWatchdog(self._on_step_overdue, self._on_step_lost, settings.hang_grace_s)
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="northcode-engine", daemon=True)
         self._thread.start()
-
-    def _page_budget(self, config: ModelConfig, settings: EngineSettings, dtype: torch.dtype,
-                     device: torch.device) -> int:
-        """kv_page_budget, capped where the torch backend will compile its decode step (compiled_pool_pages)."""
-        from northcode.torch_backend.compiled_step import compile_requested, compiled_pool_pages
-
-        pages = kv_page_budget(config, settings, dtype, device)
-        if self.backend_choice.name != "torch" or settings.num_pages is not None or \
-                not compile_requested(settings.compile, device, settings.cuda_graphs):
-            return pages
-        cap = compiled_pool_pages(config, settings.page_size)
-        if pages > cap:
-            log.info("KV pool: %d pages of the %d that fit: the compiled torch step indexes its pool with 32-bit "
-                     "offsets (NORTHCODE_TORCH_COMPILE=0 runs the eager step over all of them)", cap, pages)
-        return min(pages, cap)
 
     def _fresh_cache(self) -> tuple[KVCacheManager, Scheduler]:
         s = self.settings
@@ -198,28 +140,19 @@ class Engine(StepRecovery, PipelinedSteps):
 
     def _build_backend(self) -> ModelBackend:
         """The backend (again, after a restart) from the weights on the device, warmed up (graphs captured)."""
-        args = (self.config, self._weights, self.settings, self.num_pages, self.max_pages_per_seq)
-        if self._backend_factory is not None:
-            backend = self._backend_factory(*args)
-            self.backend_choice = BackendChoice(backend.name, self.backend_choice.reason)
-        else:
-            backend, self.backend_choice = build_backend(self.backend_choice, *args)
-        if hasattr(backend, "warm_up"):  # e.g. capture CUDA graphs before the first request
-            backend.warm_up()
+        backend = self._backend_factory(self.config, self._weights, self.settings, self.num_pages,
+                                        self.max_pages_per_seq)
+        self.backend_choice = BackendChoice(backend.name, getattr(self._backend_factory, "reason", CALLER_REASON))
+        backend.warm_up()
         return backend
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, settings: EngineSettings | None = None,
                        progress: Callable[[int, int], None] | None = None) -> Engine:
-        from northcode.model.checkpoint import load_checkpoint
-        from northcode.paths import model_display_name
+        """runtime.load_engine, under the name northcode/server/state.py calls (see docs/architecture.md)."""
+        from northcode.runtime import load_engine  # above the engine: it chooses the backend
 
-        settings = settings or EngineSettings()
-        device = resolve_device(settings.device)
-        dtype = resolve_dtype(settings.dtype, device)
-        config, weights = load_checkpoint(model_dir, device=device, dtype=dtype, progress=progress)
-        tokenizer = Tokenizer.from_dir(model_dir)
-        return cls(config, weights, tokenizer, settings, model_name=model_display_name(model_dir))
+        return load_engine(model_dir, settings, progress)
 
     # --- the API (any thread) ---
 
@@ -240,7 +173,7 @@ class Engine(StepRecovery, PipelinedSteps):
                 self.abort(request_id)
 
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      loop: asyncio.AbstractEventLoop) -> _Request:
+                      loop: asyncio.AbstractEventLoop) -> RequestState:
         params.validate()
         params = params.clamped_to(self.config.vocab_size)  # what the samplers and the kernel's row can hold
         if params.stop and self.tokenizer is None:
@@ -253,16 +186,16 @@ class Engine(StepRecovery, PipelinedSteps):
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         with self._lock:
             if self.fatal_error is not None:  # the device is lost: the request ends at once with the reason
-                request = _Request(Sequence(request_id, prompt_ids, params, seed, max_new, 0), asyncio.Queue(),
-                                   loop, None, StopStringFilter([]), ended=True)
-                request.queue.put_nowait(self._final_output(request, "error", self.fatal_error))
+                request = RequestState(Sequence(request_id, prompt_ids, params, seed, max_new, 0), asyncio.Queue(),
+                                       loop, None, StopStringFilter([]), ended=True)
+                request.queue.put_nowait(request.final_output("error", self.fatal_error))
                 return request
             if request_id in self._ids:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._arrivals += 1
             sequence = Sequence(request_id, prompt_ids, params, seed, max_new, self._arrivals)
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
-            request = _Request(sequence, asyncio.Queue(), loop, detokenizer, StopStringFilter(params.stop))
+            request = RequestState(sequence, asyncio.Queue(), loop, detokenizer, StopStringFilter(params.stop))
             self._ids.add(request_id)
             self._inbox.append(request)
             self._lock.notify()
@@ -292,13 +225,14 @@ class Engine(StepRecovery, PipelinedSteps):
             callback(message)
 
     def shutdown(self) -> None:
+        """Stop the step thread and the watchdog. Nothing then refers to the engine but its callers: it is
+        freed, its backend's pools with it, as soon as they let go (no reference cycle waits for the collector)."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         if self.fatal_error is None:  # a thread blocked on a lost device never comes back: do not wait for it
             self._thread.join(timeout=30)
-        if self._watchdog is not None:
-            self._watchdog.close()
+        self.guard.close()
 
     # --- the step thread ---
 
@@ -306,7 +240,7 @@ class Engine(StepRecovery, PipelinedSteps):
         while True:
             with self._lock:
                 while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work
-                           or self._launched is not None):
+                           or self.pipeline.launched is not None):
                     self._lock.wait(IDLE_WAIT_S)
                 if self._stopping or self.fatal_error is not None:
                     break
@@ -318,7 +252,7 @@ class Engine(StepRecovery, PipelinedSteps):
             for request_id in aborts:
                 if request_id in self._requests:
                     self._finish(self._requests[request_id], "abort", None)
-            failure = self._attempt(self._step)  # outside any except block: the failed step's frames are gone
+            failure = attempt(self._step)  # outside any except block: the failed step's frames are gone
             if failure is not None:
                 if self.fatal_error is not None:
                     return  # the device was declared lost while this thread was blocked: touch nothing
@@ -328,57 +262,49 @@ class Engine(StepRecovery, PipelinedSteps):
             for request in list(self._requests.values()):
                 self._finish(request, "abort", None)
 
+    def _pipelined(self) -> bool:
+        """No request, running or waiting, needs the host's history to sample: the step can be pipelined."""
+        return can_pipeline(self.scheduler.running + self.scheduler.waiting)
+
     def _step(self) -> None:
         pipelined = self._pipelined()
-        if self._launched is not None and not pipelined:
+        if self.pipeline.launched is not None and not pipelined:
             self._drain()  # a request that needs the host's history arrived: read the step in flight first
         plan = self.scheduler.schedule()
-        if plan.is_empty and self._launched is None:  # only waiting requests, none admissible yet: do not spin
+        if plan.is_empty and self.pipeline.launched is None:  # only waiting requests, none admissible: no spin
             time.sleep(0.001)
             return
-        launched = self._launched.sequences if self._launched else []
-        self._in_step = plan.decodes + [c.sequence for c in plan.prefills] + launched
+        self._in_step = plan.decodes + [c.sequence for c in plan.prefills] + self.pipeline.sequences
         shapes = step_shapes(plan, self.settings.page_size, self.max_pages_per_seq)
-        if pipelined:  # (sequence, token, logprob) of the prefills and of the decode launched last step
-            sampled, self._launched = self._guarded(lambda: self._pipelined_model_step(plan), shapes, plan)
+        if pipelined:  # the prefills' tokens, and those of the decode launched last step
+            sampled, launched = self.guard.run(lambda: self._pipelined_model_step(plan), shapes, plan)
         else:
-            sampled = self._guarded(lambda: self._prefill(plan) + self._decode(plan), shapes, plan)
-        self._shapes_seen |= shapes
+            sampled = self.guard.run(lambda: self._prefill(plan) + self._decode(plan), shapes, plan)
         self._in_step = []
         self.scheduler.commit(plan)
-        for seq in self._launched.sequences if self._launched else []:
-            seq.in_flight += 1
+        if pipelined:
+            self.pipeline.advance(launched)
         now = time.perf_counter()
         for seq, token, logprob in sampled:
             self._append(self._requests[seq.request_id], token, logprob, now)
 
-    def _guarded(self, work: Callable[[], object], shapes: set[tuple], plan: StepPlan | None):
-        """work() under the step watchdog (the long limit for a shape not run before); StepAbandoned when
-        the watchdog gave it up, its exception when it raised."""
-        limit = self.settings.step_timeout_s
-        if shapes - self._shapes_seen:  # a new shape may capture a graph or compile: the long limit
-            limit = limit and max(limit, self.settings.first_step_timeout_s)
-        error = result = None
-        if self._watchdog is not None:
-            what = describe_step(plan) if plan and not plan.is_empty else "read of the decode step in flight"
-            self._watchdog.begin(limit, what)
-        try:
-            result = work()
-        except Exception as err:
-            error = err
-        try:
-            if self._watchdog is not None and self._watchdog.end():
-                raise StepAbandoned
-            if error is not None:
-                raise error
-        finally:
-            error = None  # this frame is in the error's traceback: no cycle keeps the backend's frames alive
-        return result
+    def _pipelined_model_step(self, plan: StepPlan):
+        """Prefill chunks, launch decode n+1, read decode n: (the tokens to append, the new launch)."""
+        sampled = self._prefill(plan)
+        read, launched = self.pipeline.launch_and_read(plan, self.backend, self.kv)
+        return sampled + [(seq, token, None) for seq, token in read], launched
 
-    def _rows(self, sequences: list[Sequence]) -> list[SamplingRow]:
-        return [SamplingRow(s.params, s.seed, s.prompt_ids, s.output_ids) for s in sequences]
+    def _drain(self) -> None:
+        """Read the step in flight and append its tokens; the engine then runs unpipelined."""
+        step = self.pipeline.launched
+        self._in_step = list(step.sequences)
+        read = self.guard.run(lambda: read_tokens(step), set(), None)
+        self.pipeline.launched, self._in_step = None, []
+        now = time.perf_counter()
+        for seq, token in read:
+            self._append(self._requests[seq.request_id], token, None, now)
 
-    def _prefill(self, plan: StepPlan) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+    def _prefill(self, plan: StepPlan) -> Sampled:
         """Run the plan's prefill chunks; sample after those that end a prompt (in PyTorch)."""
         if not plan.prefills:
             return []
@@ -389,54 +315,41 @@ class Engine(StepRecovery, PipelinedSteps):
         if not keep:
             return []
         sequences = [plan.prefills[i].sequence for i in keep]
-        result = self.sampler.sample(logits[keep], self._rows(sequences))
+        result = self.sampler.sample(logits[keep], _history(sequences))
         return list(zip(sequences, result.token_ids, result.logprobs))
 
-    def _decode(self, plan: StepPlan) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """One decode step for every decoding row. The backend samples every row it can (so a seeded request
-        draws the same tokens whatever shares its step: issue 3); the engine's Sampler samples the others from
-        the logits, which come back only when needed (logprobs, or rows the backend cannot sample)."""
+    def _decode(self, plan: StepPlan) -> Sampled:
+        """One decode step for every decoding row. The backend draws every device-sampled row (so a seeded
+        request draws the same tokens whatever shares its step: issue 3); the Sampler samples the others
+        (penalties, logprobs) from the logits, which come back only when such a row is in the step."""
         sequences = plan.decodes
         if not sequences:
             return []
-        kv, rows = self.kv, self._rows(sequences)
-        on_device = [self.backend.can_sample(s.params) for s in sequences]
-        want_logprobs = any(s.params.logprobs is not None for s in sequences)
+        kv = self.kv
+        host = [b for b, s in enumerate(sequences) if not s.params.is_device_sampled]
+        sampling = BatchSamplingArgs.prepare([s.params for s in sequences], [s.seed for s in sequences],
+                                             [s.draw for s in sequences])
         batch = DecodeBatch([s.row for s in sequences], [s.last_token for s in sequences],
-                            [s.num_computed for s in sequences], rows, sample=any(on_device),
-                            return_logits=want_logprobs or not all(on_device), block_tables=kv.block_tables,
-                            tables_version=kv.version, tables_columns=kv.high_water)
+                            [s.num_computed for s in sequences], sampling, sample=len(host) < len(sequences),
+                            return_logits=bool(host), block_tables=kv.block_tables, tables_version=kv.version,
+                            tables_columns=kv.high_water)
         result = self.backend.decode(batch)
         assert not batch.sample or result.token_ids is not None, f"{self.backend.name} backend returned no tokens"
-        tokens = list(result.token_ids) if batch.sample else [-1] * len(rows)
-        logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        host = [b for b, ok in enumerate(on_device) if not ok]  # sampled here, with their penalties
+        tokens = list(result.token_ids) if batch.sample else [-1] * len(sequences)
+        logprobs: list[TokenLogprob | None] = [None] * len(sequences)
         if host:
-            sample = self.sampler.sample(_rows_of(result.logits, host), [rows[b] for b in host])
+            sample = self.sampler.sample(_rows_of(result.logits, host), _history([sequences[b] for b in host]))
             for b, token, logprob in zip(host, sample.token_ids, sample.logprobs):
                 tokens[b], logprobs[b] = token, logprob
-        scored = [b for b, ok in enumerate(on_device) if ok and rows[b].params.logprobs is not None]
-        if scored:  # logprobs of tokens the backend chose
-            found = self.sampler.logprobs(_rows_of(result.logits, scored), [rows[b] for b in scored],
-                                          [tokens[b] for b in scored])
-            for b, logprob in zip(scored, found):
-                logprobs[b] = logprob
         return list(zip(sequences, tokens, logprobs))
 
-    def _append(self, request: _Request, token: int, logprob: TokenLogprob | None, now: float) -> None:
+    def _append(self, request: RequestState, token: int, logprob: TokenLogprob | None, now: float) -> None:
         """Record one sampled token; emit its text (held back where a stop string may begin); finish."""
-        seq = request.sequence
-        seq.output_ids.append(token)
-        if request.last_token_at is None:
-            request.time_to_first_token = now - seq.submitted_at
-        else:
-            request.latencies.append(now - request.last_token_at)
-        request.last_token_at = now
-        params = seq.params
+        seq, params = request.sequence, request.sequence.params
+        text, matched = request.take_token(token, now)
         reason, stop_reason = None, None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
             reason, stop_reason = "stop", token
-        text, matched = request.stops.push(request.detokenizer.push(token) if request.detokenizer else "")
         if matched is not None:
             reason, stop_reason = "stop", matched
         elif reason is None and len(seq.output_ids) >= seq.max_new_tokens:
@@ -446,33 +359,21 @@ class Engine(StepRecovery, PipelinedSteps):
         else:
             self._finish(request, reason, stop_reason, [token], text, [logprob] if logprob else None)
 
-    def _finish(self, request: _Request, reason: str, stop_reason: str | int | None, token_ids: list[int] | None = None,
-                text: str = "", logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
+    def _finish(self, request: RequestState, reason: FinishReason, stop_reason: str | int | None,
+                token_ids: list[int] | None = None, text: str = "", logprobs: list[TokenLogprob] | None = None,
+                error: str | None = None) -> None:
         seq = request.sequence
         if reason in ("length", "stop") and not isinstance(stop_reason, str):  # release held-back text
-            tail, matched = request.stops.push(request.detokenizer.flush() if request.detokenizer else "")
+            tail, matched = request.flush_text()
             text += tail
             if matched is not None:
                 reason, stop_reason = "stop", matched
-            else:
-                text += request.stops.flush()
         self.scheduler.finish(seq)
         del self._requests[seq.request_id]
         with self._lock:
             self._ids.discard(seq.request_id)
         self._publish_stats()  # before the final output: a caller that saw it sees the pages freed
-        request.emit(self._final_output(request, reason, error, stop_reason, token_ids, text, logprobs))
-
-    @staticmethod
-    def _final_output(request: _Request, reason: str, error: str | None = None, stop_reason: str | int | None = None,
-                      token_ids: list[int] | None = None, text: str = "",
-                      logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        seq = request.sequence
-        timings = Timings(queued_s=(seq.first_scheduled_at or time.perf_counter()) - seq.submitted_at,
-                          time_to_first_token_s=request.time_to_first_token, token_latencies_s=list(request.latencies))
-        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
-        return RequestOutput(seq.request_id, token_ids or [], text, logprobs, finished=True, finish_reason=reason,
-                             stop_reason=stop_reason, error=error, usage=usage, timings=timings)
+        request.emit(request.final_output(reason, error, stop_reason, token_ids, text, logprobs))
 
     def _publish_stats(self, status: str | None = None) -> None:
         kv, scheduler = self.kv, self.scheduler
@@ -491,3 +392,107 @@ class Engine(StepRecovery, PipelinedSteps):
         with self._lock:
             self._stats = stats
 
+    # --- failed and hung steps (recovery.py has the mechanics) ---
+
+    def _after_failed_step(self, failure: str) -> None:
+        """Step thread, after a step failed (failure "": given up by the watchdog): end only the requests
+        whose sampling cannot be built when one is to blame, else rebuild the backend."""
+        if failure and self._isolate(failure):
+            return
+        if self.fatal_error is None:
+            self._recover(failure or None)
+
+    def _isolate(self, error: str) -> bool:
+        """End the requests of the failed step whose own sampling cannot be built (fault_of) and keep the
+        backend: read the step in flight (a failed launch may leave nothing to carry from), and the next step
+        redoes the others' work (the same positions and tokens: its KV writes are idempotent). False when no
+        request is to blame or that read fails; then the backend must be restarted."""
+        faults = [(seq, fault) for seq in dict.fromkeys(self._in_step)
+                  if (fault := fault_of(seq, self.config.vocab_size)) is not None]
+        if not faults:
+            return False
+        for seq, fault in faults:
+            request = self._requests.get(seq.request_id)
+            if request is not None and not request.ended:
+                log.error("engine: request %s ended: its sampling cannot be built (%s)", seq.request_id, fault)
+                self._finish(request, "error", None, error=f"this request's sampling could not be built ({fault}); "
+                                                             "it was ended and the other requests went on")
+        self._in_step = []
+        return self.pipeline.launched is None or attempt(self._drain) is None
+
+    def _recover(self, error: str | None) -> None:
+        """After a hung (error None: its requests were already ended) or failed step: end the step's
+        requests, then rebuild the KV cache, scheduler and backend from the weights on the device; every
+        other request is kept, recomputes what it had, and goes on. A restart that fails is fatal."""
+        for seq in self._in_step:
+            request = self._requests.get(seq.request_id)
+            if request is not None and not request.ended:
+                self._finish(request, "error", None, error=error)
+        self._in_step, self.pipeline.launched = [], None  # a launched step's tokens are lost with its backend
+        for request_id in [i for i, r in self._requests.items() if r.ended]:
+            del self._requests[request_id]
+        survivors = sorted((r.sequence for r in self._requests.values()), key=lambda s: s.arrival)
+        self._publish_stats(status="restarting")
+        self.backend = None  # drop the old pools and graphs before allocating new ones
+        self.kv, self.scheduler = self._fresh_cache()
+        on_device = self._weights["model.embed_tokens.weight"].is_cuda
+        backend, why, given_up = self.guard.rebuild(self._build_backend, on_device)
+        if given_up:
+            return  # the restart overran its limit: _on_step_overdue declared the engine failed
+        if backend is None:
+            self._declare_fatal(f"the model backend could not be restarted after a failed step ({why}); "
+                                "restart the server")
+            return
+        self.backend = backend
+        self.restarts += 1
+        for seq in survivors:
+            self.scheduler.take_back(seq)
+        log.warning("engine: %s backend restarted (restart %d); %d requests kept", self.backend_choice.name,
+                    self.restarts, len(survivors))
+
+    def _on_step_overdue(self, what: str, limit_s: float) -> None:
+        """Watchdog thread, while the step thread is blocked in the step: end the step's requests now."""
+        if what == RESTART:
+            self._declare_fatal(f"restarting the {self.backend_choice.name} backend did not finish within "
+                                f"{limit_s:g} s; restart the server")
+            return
+        message = (f"the engine's {what} did not finish within {limit_s:g} s (a hung or runaway kernel?); "
+                   f"the request was ended and the {self.backend_choice.name} backend is being restarted")
+        log.error(message)
+        self._publish_stats(status="restarting")  # before the errors: a client that saw one sees the status
+        for seq in self._in_step:
+            request = self._requests.get(seq.request_id)
+            if request is not None and not request.ended:
+                self._end_early(request, message)
+
+    def _on_step_lost(self, what: str, waited_s: float) -> None:
+        """Watchdog thread: the step never came back. The GPU (or its context) is presumed unusable."""
+        self._declare_fatal(f"the device stopped responding: the engine's {what} has not returned after "
+                            f"{waited_s:.0f} s, so the GPU or its CUDA context is presumed unusable; "
+                            "restart the server")
+
+    def _end_early(self, request: RequestState, message: str) -> None:
+        """Send a request's final error output from a thread other than the step thread (which then drops it)."""
+        request.ended = True
+        with self._lock:
+            self._ids.discard(request.sequence.request_id)
+        request.emit(request.final_output("error", message))
+
+    def _declare_fatal(self, message: str) -> None:
+        """Any thread: nothing can run any more. Every request, present and future, ends with `message`."""
+        with self._lock:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = message
+            inbox, self._inbox = self._inbox, []
+            listeners, self._fatal_listeners = self._fatal_listeners, []
+            self._lock.notify_all()
+        log.critical("engine: %s", message)
+        self._publish_stats(status="failed")
+        for callback in listeners:  # first: the server reports the failure before its clients see it
+            try:
+                callback(message)
+            except Exception:
+                log.exception("fatal-error listener failed")
+        for request in inbox + [r for r in list(self._requests.values()) if not r.ended]:
+            self._end_early(request, message)

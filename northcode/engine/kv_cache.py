@@ -1,7 +1,7 @@
 """The paged KV cache: page pool, per-layer block tables, sliding-window eviction, prefix cache.
 
 Glossary (the same words in Python and CUDA):
-  block / page  `page_size` (64) tokens of one layer's K and V for one sequence;
+  block / page  `page_size` tokens (settings.PAGE_SIZE by default) of one layer's K and V for one sequence;
   slot          one token position in the pool, `page * page_size + offset`;
   sequence      one request's tokens; it holds one *row* of the block tables while it runs;
   batch         the sequences in one step; task: one unit of megakernel work.
@@ -35,7 +35,7 @@ BlockKey = tuple[bytes, int]  # (chained hash of the block, layer index)
 def chain_block_hashes(token_ids: list[int], page_size: int, known: list[bytes]) -> list[bytes]:
     """Extend `known` (hashes of the first len(known) full blocks) to every full block of token_ids.
 
-    Hash j = sha256(hash j-1 || 64 token ids as int64 little-endian), so it names the whole prefix.
+    Hash j = sha256(hash j-1 || the block's page_size token ids as int64 little-endian), so it names the whole prefix.
     """
     hashes = list(known)
     parent = hashes[-1] if hashes else HASH_SEED

@@ -1,39 +1,34 @@
 """The pipelined step: the host launches decode step n+1 before it reads step n's tokens (issue 5, point 4).
 
-Used when the backend offers `launch_decode(batch, carry) -> PendingDecode` (backend.py) and every
-running request can be sampled on the device from its seed and draw number alone (no penalties, no
-logprobs): then a row's next input is the token it sampled last step, still in device memory
-(`carry[b]` = its row in the previous launch), and the host's history lags one token behind. One step:
+Used while every running and waiting request is `SamplingParams.is_device_sampled` (no penalties, no
+logprobs): then a row's next input is the token it sampled last step, still in device memory (`carry[b]` =
+its row in the previous launch), and the host's history lags one token behind. One step:
 
     schedule n+1 -> prefill chunks (sampled on the host) -> launch decode n+1 -> read decode n
     -> commit n+1 -> append the tokens: stops, EOS, max_tokens and aborts finish sequences
 
-A sequence holds `in_flight` tokens sampled on the device and not yet read (scheduler.py); it is not
+A sequence holds `in_flight` tokens sampled on the device and not yet read (sequence.py); it is not
 scheduled past max_tokens counting them. A sequence that finishes (or is aborted or preempted) while
 a step it is in is still running has that step's token dropped when read. Its pages may be freed and
 reused at once: every kernel runs on one stream, so whatever reuses them runs after that step. When a
-request that needs the host's history arrives, the pending step is read first (`drain`) and the engine
-runs unpipelined until it is gone.
+request that needs the host's history arrives, the engine reads the pending step first (its drain) and runs
+unpipelined until that request is gone. `DecodePipeline` holds the step in flight; the engine owns one.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
-from northcode.engine.backend import DecodeBatch, DecodeResult
-from northcode.engine.request import SamplingParams, TokenLogprob
-from northcode.engine.sampling import SamplingRow
-from northcode.engine.scheduler import Sequence, SequenceStatus, StepPlan
+import torch
 
-IN_FLIGHT = -1  # placeholder output id of a token sampled on the device and not yet read
+from northcode.engine.backend import DecodeBatch, ModelBackend, PendingDecode
+from northcode.engine.kv_cache import KVCacheManager
+from northcode.engine.sampling import BatchSamplingArgs
+from northcode.engine.scheduler import StepPlan
+from northcode.engine.sequence import Sequence, SequenceStatus
 
-
-class PendingDecode(Protocol):
-    def result(self) -> DecodeResult:
-        """Wait for the step (releasing the GIL) and return its host token ids."""
-        ...
+IN_FLIGHT = -1  # the token id of a row fed from the device: the token it sampled is not yet on the host
 
 
 @dataclass(slots=True)
@@ -42,22 +37,22 @@ class LaunchedStep:
     pending: PendingDecode
 
 
-def device_sampled(params: SamplingParams, backend) -> bool:
-    """True when a request's next token needs nothing but its seed and draw number on the device."""
-    return (backend.can_sample(params) and params.logprobs is None and params.presence_penalty == 0
-            and params.frequency_penalty == 0 and params.repetition_penalty == 1)
+def can_pipeline(sequences: Iterable[Sequence]) -> bool:
+    """True when no request needs the host's history to sample (the device draws all of them)."""
+    return all(s.params.is_device_sampled for s in sequences)
 
 
-def pipelined_batch(plan: StepPlan, previous: LaunchedStep | None, block_tables, tables_version: int,
+def pipelined_batch(plan: StepPlan, previous: LaunchedStep | None, block_tables: torch.Tensor, tables_version: int,
                     tables_columns: int | None) -> tuple[DecodeBatch, list[int]]:
     """The decode batch of plan n+1 and its carry: the row of each sequence in launch n, or -1 when its
     input token is on the host (its prompt's first token came from a prefill, or it was read already)."""
     slot = {id(seq): b for b, seq in enumerate(previous.sequences)} if previous else {}
-    carry = [slot[id(s)] if s.in_flight else -1 for s in plan.decodes]
-    rows = [SamplingRow(s.params, s.seed, s.prompt_ids, s.output_ids + [IN_FLIGHT] * s.in_flight)
-            for s in plan.decodes]  # len(output_ids) is the draw number; the ids are never read (no penalties)
-    token_ids = [IN_FLIGHT if s.in_flight else s.last_token for s in plan.decodes]
-    batch = DecodeBatch([s.row for s in plan.decodes], token_ids, [s.num_computed for s in plan.decodes], rows,
+    decodes = plan.decodes
+    carry = [slot[id(s)] if s.in_flight else -1 for s in decodes]
+    sampling = BatchSamplingArgs.prepare([s.params for s in decodes], [s.seed for s in decodes],
+                                         [s.draw for s in decodes])
+    token_ids = [IN_FLIGHT if s.in_flight else s.last_token for s in decodes]
+    batch = DecodeBatch([s.row for s in decodes], token_ids, [s.num_computed for s in decodes], sampling,
                         sample=True, return_logits=False,
                         block_tables=block_tables, tables_version=tables_version, tables_columns=tables_columns)
     return batch, carry
@@ -77,32 +72,28 @@ def read_tokens(step: LaunchedStep | None) -> list[tuple[Sequence, int]]:
     return kept
 
 
-class PipelinedSteps:
-    """Engine methods for the pipelined step (engine.py owns every attribute they use)."""
+class DecodePipeline:
+    """The decode step launched and not yet read (`launched`), and the launch of the next one."""
 
-    def _pipelined(self) -> bool:
-        """The backend can launch without waiting, and no request needs the host's history to sample."""
-        if getattr(self.backend, "launch_decode", None) is None:
-            return False
-        return all(device_sampled(s.params, self.backend) for s in self.scheduler.running + self.scheduler.waiting)
+    def __init__(self) -> None:
+        self.launched: LaunchedStep | None = None
 
-    def _pipelined_model_step(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int, TokenLogprob | None]],
-                                                             LaunchedStep | None]:
-        """Prefill chunks, launch decode n+1, read decode n: (the tokens to append, the new launch)."""
-        sampled = self._prefill(plan)
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.launched.sequences if self.launched is not None else []
+
+    def launch_and_read(self, plan: StepPlan, backend: ModelBackend,
+                        kv: KVCacheManager) -> tuple[list[tuple[Sequence, int]], LaunchedStep | None]:
+        """Launch plan n+1's decode rows, then read step n: (its tokens, the new launch or None). Nothing
+        changes here: `advance` takes the new launch once the whole step succeeded."""
         launched = None
         if plan.decodes:
-            kv = self.kv
-            batch, carry = pipelined_batch(plan, self._launched, kv.block_tables, kv.version, kv.high_water)
-            launched = LaunchedStep(list(plan.decodes), self.backend.launch_decode(batch, carry))
-        return sampled + [(seq, token, None) for seq, token in read_tokens(self._launched)], launched
+            batch, carry = pipelined_batch(plan, self.launched, kv.block_tables, kv.version, kv.high_water)
+            launched = LaunchedStep(list(plan.decodes), backend.launch_decode(batch, carry))
+        return read_tokens(self.launched), launched
 
-    def _drain(self) -> None:
-        """Read the step in flight and append its tokens; the engine then runs unpipelined."""
-        step = self._launched
-        self._in_step = list(step.sequences)
-        read = self._guarded(lambda: read_tokens(step), set(), None)
-        self._launched, self._in_step = None, []
-        now = time.perf_counter()
-        for seq, token in read:
-            self._append(self._requests[seq.request_id], token, None, now)
+    def advance(self, launched: LaunchedStep | None) -> None:
+        """`launched` is the step in flight now; each of its sequences holds one more token on the device."""
+        self.launched = launched
+        for seq in self.sequences:
+            seq.in_flight += 1

@@ -19,6 +19,11 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # a signed or unsigned 64-bit seed; th
 MAX_TOP_LOGPROBS = 20
 
 
+def is_greedy_temperature(temperature: float) -> bool:
+    """The greedy rule's temperature half: below SAMPLING_EPS the logits are not divided, the argmax is taken."""
+    return temperature < SAMPLING_EPS
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -77,12 +82,20 @@ class SamplingParams:
         a temperature below SAMPLING_EPS greedy (0), at most vocab_size alternatives' logprobs."""
         return dataclasses.replace(
             self, top_k=self.top_k if self.top_k < vocab_size else 0,
-            temperature=self.temperature if self.temperature >= SAMPLING_EPS else 0.0,
+            temperature=0.0 if is_greedy_temperature(self.temperature) else self.temperature,
             logprobs=None if self.logprobs is None else min(self.logprobs, vocab_size))
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS or self.top_k == 1
+        """The argmax, no draw: the only place this rule is written (every sampler asks here)."""
+        return is_greedy_temperature(self.temperature) or self.top_k == 1
+
+    @property
+    def is_device_sampled(self) -> bool:
+        """No penalties and no logprobs: the next token needs only the logits, the seed and the draw number, so a
+        backend samples it on the device (and the engine may pipeline it); otherwise the engine's Sampler does."""
+        return (self.logprobs is None and self.presence_penalty == 0 and self.frequency_penalty == 0
+                and self.repetition_penalty == 1)
 
 
 @dataclass(slots=True)

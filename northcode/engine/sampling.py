@@ -1,23 +1,30 @@
-"""The PyTorch sampler (penalties, temperature, top-k/top-p/min-p, seeds, logprobs) and stop strings.
+"""The samplers: the device draw both backends run, and the PyTorch Sampler (penalties, logprobs) the engine runs.
 
-`Sampler.sample(logits, batch)` turns one step's logits [B, V] into one token per row. Randomness is
-counter-based: row b's noise comes from a generator seeded by (request seed, output index), so a
-request's tokens depend only on its own seed and logits, never on what else is in the batch, and a
-preempted request that recomputes draws the same noise again. Order of operations (vLLM's):
-penalties -> temperature -> logprobs -> top-k -> top-p -> min-p -> draw. Numbers stay numbers for every
-validated parameter (issue 24): scaled logits are clamped to +-SCALED_LIMIT (a repetition penalty of
-1e-300 divides by fp32 zero), so no softmax sees inf - inf and no logprob is NaN or infinite.
-`sampling_fault` says whether one row's sampling can be built at all (the engine asks after a failed
-step). This file knows nothing of pages or scheduling; `StopStringFilter` works on text only.
+`BatchSamplingArgs.prepare` builds one step's sampling arguments once; every path reads them. The device draw
+(`sample_on_device`: temperature, then top-k/top-p/min-p, a counter-seeded draw) runs wherever the logits
+are, with no host read; the backends sample every row with it, and the megakernel the same rule in CUDA.
+`Sampler.sample(logits, rows)` is the full sampler for rows that are not `SamplingParams.is_device_sampled`
+(penalties, logprobs); on a row without them it draws the device draw's token bit for bit. Randomness is
+counter-based: a row's noise comes from a generator seeded by (request seed, draw number), so a request's
+tokens depend only on its own seed and logits, never on what else is in the batch, and a preempted request
+that recomputes draws the same noise again. Order of operations (vLLM's): penalties -> temperature ->
+logprobs -> top-k -> top-p -> min-p -> draw. Numbers stay numbers for every validated parameter (issue 24):
+scaled logits are clamped to +-SCALED_LIMIT (a repetition penalty of 1e-300 divides by fp32 zero), so no
+softmax sees inf - inf and no logprob is NaN or infinite. `sampling_fault` says whether one row's sampling
+can be built at all (the engine asks after a failed step). This file knows nothing of pages or scheduling;
+`StopStringFilter` works on text only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from northcode.engine.device import to_device
 from northcode.engine.request import SamplingParams, TokenLogprob
 
 SCALED_LIMIT = 1e30  # |scaled logit| at most this: differences of two stay finite in fp32 (max 3.4e38)
@@ -25,12 +32,44 @@ SCALED_LIMIT = 1e30  # |scaled logit| at most this: differences of two stay fini
 
 @dataclass(slots=True)
 class SamplingRow:
-    """What the sampler needs about one sequence of the batch."""
+    """One sequence of the batch as the Sampler sees it: its sampling arguments and its token history."""
 
     params: SamplingParams
     seed: int  # the request's seed, drawn by the engine when the request gave none
     prompt_ids: list[int]
-    output_ids: list[int]  # tokens sampled so far; len(output_ids) is this draw's counter
+    output_ids: list[int]  # tokens sampled so far (penalties read them); len(output_ids) is this draw's number
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSamplingArgs:
+    """The sampling arguments of one step's rows, built once (`prepare`), read by every sampling path: the
+    backends' device draw, the megakernel's row states, the Sampler. Host values; no token history."""
+
+    params: tuple[SamplingParams, ...]  # [B] as the engine samples them (SamplingParams.clamped_to)
+    seeds: tuple[int, ...]  # [B] the requests' seeds
+    draws: tuple[int, ...]  # [B] draw number of each row's token: tokens sampled before it, one in flight included
+    temperatures: tuple[float, ...]  # [B] what each row's logits are divided by: 1 for greedy rows
+    random_rows: tuple[int, ...]  # the rows that draw (not greedy), ascending
+
+    @classmethod
+    def prepare(cls, params: Iterable[SamplingParams], seeds: Iterable[int], draws: Iterable[int]) -> BatchSamplingArgs:
+        params = tuple(params)
+        temperatures = tuple(1.0 if p.is_greedy else p.temperature for p in params)
+        return cls(params, tuple(seeds), tuple(draws), temperatures,
+                   tuple(b for b, p in enumerate(params) if not p.is_greedy))
+
+    @classmethod
+    def of_rows(cls, rows: list[SamplingRow]) -> BatchSamplingArgs:
+        return cls.prepare([r.params for r in rows], [r.seed for r in rows], [len(r.output_ids) for r in rows])
+
+    def select(self, index: Iterable[int]) -> BatchSamplingArgs:
+        """The arguments of rows `index`, in that order."""
+        index = tuple(index)
+        return BatchSamplingArgs.prepare([self.params[b] for b in index], [self.seeds[b] for b in index],
+                                         [self.draws[b] for b in index])
+
+    def __len__(self) -> int:
+        return len(self.params)
 
 
 def noise_seed(seed: int, output_index: int) -> int:
@@ -80,6 +119,41 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     return kept / kept.sum(-1, keepdim=True)
 
 
+def _float32(x: float) -> float:
+    """x rounded to fp32, as the filter's parameter tensors hold it (the test is made on the host)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def draw_tokens(scaled: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    """scaled [B, V] fp32 -> tokens [B]: exponential race, argmax p / E, E ~ Exp(1) seeded by (seed, draw).
+    Which filters apply is decided on the host from the parameters, so nothing waits for the device."""
+    device = scaled.device
+    probs = torch.softmax(scaled, dim=-1)
+    if any(p.top_k > 0 or _float32(p.top_p) < 1 or _float32(p.min_p) > 0 for p in args.params):
+        vocab = scaled.shape[-1]  # a top_k above it keeps every token (and would overflow int64 past 2^63)
+        top_k = to_device(torch.tensor([min(p.top_k, vocab) for p in args.params]), device)
+        top_p = to_device(torch.tensor([p.top_p for p in args.params], dtype=scaled.dtype), device)
+        min_p = to_device(torch.tensor([p.min_p for p in args.params], dtype=scaled.dtype), device)
+        probs = filter_probs(probs, top_k, top_p, min_p)
+    noise = torch.empty_like(probs)
+    for b, (seed, draw) in enumerate(zip(args.seeds, args.draws)):
+        generator = torch.Generator(device=device).manual_seed(noise_seed(seed, draw))
+        noise[b].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample_on_device(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    """Every row's token as a device long [B], with no host read: the Sampler's token for rows without
+    penalties. logits [B, V] fp32 (after logit_scale)."""
+    device = logits.device
+    scaled = scale_logits(logits.float(), to_device(torch.tensor(args.temperatures), device))  # [B, V]
+    tokens = scaled.argmax(dim=-1)
+    if args.random_rows:
+        index = to_device(torch.tensor(args.random_rows, dtype=torch.long), device)
+        tokens.index_copy_(0, index, draw_tokens(scaled.index_select(0, index), args.select(args.random_rows)))
+    return tokens
+
+
 @dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
@@ -87,30 +161,25 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per row from fp32 logits on whatever device they live on."""
+    """Samples one token per row from fp32 logits on whatever device they live on, penalties and logprobs included."""
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         """logits: [B, V], fp32, raw (after logit_scale). Rows may mix greedy and random requests."""
         assert logits.shape[0] == len(rows)
-        scaled = self._scaled(logits, rows)
+        args = BatchSamplingArgs.of_rows(rows)
+        scaled = self._scaled(logits, rows, args)
         tokens = scaled.argmax(dim=-1)
-        random_rows = [b for b, r in enumerate(rows) if not r.params.is_greedy]
-        if random_rows:
-            tokens[random_rows] = self._draw(scaled[random_rows], [rows[b] for b in random_rows])
+        if args.random_rows:
+            random_rows = list(args.random_rows)
+            tokens[random_rows] = draw_tokens(scaled[random_rows], args.select(random_rows))
         token_ids = tokens.tolist()
         return SampleResult(token_ids, self._logprobs_of(scaled, rows, token_ids))
 
-    def logprobs(self, logits: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[TokenLogprob | None]:
-        """The logprobs `sample` would report for tokens chosen elsewhere (a backend that samples on the device)."""
-        return self._logprobs_of(self._scaled(logits, rows), rows, token_ids)
-
     @staticmethod
-    def _scaled(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _scaled(logits: torch.Tensor, rows: list[SamplingRow], args: BatchSamplingArgs) -> torch.Tensor:
         """Penalties, then temperature (1 for greedy rows): [B, V] fp32."""
         logits = apply_penalties(logits.float().clone(), rows)
-        temperature = torch.tensor([r.params.temperature if not r.params.is_greedy else 1.0 for r in rows],
-                                   device=logits.device)
-        return scale_logits(logits, temperature)
+        return scale_logits(logits, torch.tensor(args.temperatures, device=logits.device))
 
     def _logprobs_of(self, scaled: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[TokenLogprob | None]:
         logprobs = self._logprobs(scaled, rows)
@@ -133,24 +202,14 @@ class Sampler:
             top = list(zip(ids.tolist(), values.tolist()))
         return TokenLogprob(token_id, float(row_logprobs[token_id]), top)
 
-    @staticmethod
-    def _draw(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Exponential-race sampling (argmax p / E, E ~ Exp(1)), each row with its own counter-seeded noise:
-        the same draw as the torch backend's device sampler (torch_backend.launch.draw_tokens)."""
-        from northcode.torch_backend.launch import draw_tokens  # launch.py imports this module
-
-        return draw_tokens(scaled, rows)
-
 
 def sampling_fault(row: SamplingRow, vocab_size: int) -> str | None:
     """Why one row's sampling cannot be built, or None: the Sampler's path (penalties, logprobs) and the device
-    sampler's (launch.sample_on_device) run for the row alone, on zero logits on the CPU."""
-    from northcode.torch_backend.launch import sample_on_device  # launch.py imports this module
-
+    draw run for the row alone, on zero logits on the CPU."""
     logits = torch.zeros(1, vocab_size)
     try:
         Sampler().sample(logits, [row])
-        sample_on_device(logits, [row])
+        sample_on_device(logits, BatchSamplingArgs.of_rows([row]))
     except Exception as err:  # whatever building its tensors raised: that is the answer
         return f"{type(err).__name__}: {err}"
     return None

@@ -14,54 +14,11 @@ The scheduler never touches tensors; the engine runs the plan and reports back w
 from __future__ import annotations
 
 import bisect
-import enum
 import time
 from dataclasses import dataclass, field
 
 from northcode.engine.kv_cache import KVCacheManager, chain_block_hashes
-from northcode.engine.request import SamplingParams
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    max_new_tokens: int  # max_tokens capped by the context left after the prompt
-    arrival: int  # submission order: FIFO admission and the preemption victim follow it
-    output_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    row: int | None = None  # block-table row while running
-    num_computed: int = 0  # tokens whose KV is in the cache (this admission)
-    in_flight: int = 0  # tokens sampled on the device and not yet read by the host (pipeline.py), 0 or 1
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    num_preemptions: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks of tokens
-    submitted_at: float = field(default_factory=time.perf_counter)
-    first_scheduled_at: float | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_computed == self.num_tokens + self.in_flight - 1
+from northcode.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -3,8 +3,8 @@
 The model's math lives in config.py (ModelConfig); this file holds only the knobs a user or a
 benchmark may turn. Every field a user can set is checked in `__post_init__` with a ValueError that
 names it. Derived values that need the model or the device (the page count, the context length)
-are computed by the engine at start-up, never written back here. `cpu_threads` is the one place the
-engine reads the environment (OMP_NUM_THREADS) for the thread count.
+are computed by the engine at start-up, never written back here. `cpu_threads` takes OMP_NUM_THREADS
+(config.env_cpu_threads) when no setting names the thread count.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-BACKENDS = ("auto", "torch", "megakernel")  # auto: backend_choice.py decides, and says why
+from northcode.config import env_cpu_threads
+
+BACKENDS = ("auto", "torch", "megakernel")  # auto: northcode/runtime.py decides, and says why
+PAGE_SIZE = 64  # tokens per KV page: the default, and the only page the megakernel is built for
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_DEFAULT_THREADS = 4  # torch's CPU threads by default: at most this many, and at most half the cores
 
@@ -25,9 +28,8 @@ def cpu_threads(num_threads: int | None) -> int:
     ran at 4-10 tokens/s beside other work on 2 cores, 142 with one thread)."""
     if num_threads is not None:
         return num_threads
-    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if chosen.isdigit() and int(chosen) > 0:
-        return int(chosen)
+    if env_cpu_threads() is not None:
+        return env_cpu_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(MAX_DEFAULT_THREADS, cores // 2))
 
@@ -35,9 +37,11 @@ def cpu_threads(num_threads: int | None) -> int:
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     max_batch: int = 8  # sequences in one step (decode rows + prefilling sequences)
-    page_size: int = 64  # tokens per KV page; the megakernel is built for 64
-    chunk_size: int = 2048  # prefill tokens per step (all prefilling sequences together); run 108: 4096 tokens
-    # 437 ms at 512 (each chunk reads every expert), 185 ms at 2048, 166 ms at 4096 (a running decode waits ~90 ms)
+    page_size: int = PAGE_SIZE  # tokens per KV page
+    # prefill tokens per step (all prefilling sequences together): a 4096-token prompt of the full model on the
+    # H200 took 437 ms in chunks of 512 (each chunk reads every expert), 185 ms in 2048, 166 ms in 4096, while
+    # a running decode waits for each chunk (~90 ms at 2048)
+    chunk_size: int = 2048
     gpu_memory_fraction: float = 0.90  # of the GPU memory free after the weights, for the KV pool
     cpu_kv_bytes: int = 2 << 30  # KV pool budget on the CPU (K and V together)
     num_pages: int | None = None  # fixed pool size (tests, benchmarks); None: from the memory above

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 5.0  # close() waits this long at most for the thread (a callback running then finishes first)
 
 
 class StepWatchdog:
@@ -58,9 +59,12 @@ class StepWatchdog:
         return self._lost
 
     def close(self) -> None:
+        """Stop watching; the thread is gone when this returns (unless called from it, or a callback is stuck)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=CLOSE_WAIT_S)
 
     def _watch(self) -> None:
         with self._cond:

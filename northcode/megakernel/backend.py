@@ -1,5 +1,9 @@
-"""MegakernelBackend: engine/backend.py's protocol, decode in the megakernel (kernel.py), prefill in a TorchBackend.
+"""MegakernelBackend: engine/backend.py's protocol as torch prefill plus kernel decode over one set of block tables.
 
+mini-sglang's HybridBackend(prefill, decode), said out loud: `prefiller`, a TorchBackend without graphs or
+compile, owns the KV pools and the device block tables and runs every prefill; `kernel` (kernel.py) decodes
+over the same pools and the same tables, which each step uploads once (`tables.upload`, a no-op when their
+version did not move) before its launches. Nothing else of the TorchBackend is touched after construction.
 A step of B rows is ceil(B / 8) kernel launches on one stream; each copies its sampled tokens out of the
 kernel's io buffer (the next launch overwrites it) into the step's device int32 [B + 4]: tokens, then the
 kernel's sticky status words. `launch_decode` feeds carried rows from the previous step's tensor (one gather
@@ -16,24 +20,25 @@ from dataclasses import dataclass
 import torch
 
 from northcode.config import ModelConfig
-from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch
-from northcode.engine.request import SamplingParams
-from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status, unsupported_reason
+from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch, check_launch
+from northcode.engine.device import PendingTokens, carried_tokens, to_device
+from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status
+from northcode.megakernel.support import gpu_blocker, model_blocker
 from northcode.megakernel.tasks import split_contexts
 from northcode.torch_backend.backend import TorchBackend
-from northcode.torch_backend.launch import LaunchedDecode, carried_tokens, check_launchable, to_device
 
 KernelFactory = Callable[[TorchBackend], Megakernel]  # the kernel over the prefiller's pools and block tables
 
 
 def unavailable_reason(config: ModelConfig, page_size: int, needs_hopper: bool = True) -> str | None:
-    """Why the megakernel backend cannot run this model here, or None."""
-    if page_size != PAGE_SIZE:
-        return f"page_size {page_size} (the kernel's pages hold {PAGE_SIZE} tokens)"
-    reason = unsupported_reason(config)
-    if reason is None and needs_hopper and not (torch.cuda.is_available()
-                                                and torch.cuda.get_device_capability() == (9, 0)):
-        reason = "it needs a Hopper GPU (sm_90)"
+    """Why the megakernel backend cannot run this model here, or None (support.py's rules; the weights' dtype
+    is checked by Megakernel itself)."""
+    reason = model_blocker(config, page_size)
+    if reason is None and needs_hopper:
+        if not torch.cuda.is_available():
+            return "it needs a Hopper GPU (sm_90), and no CUDA GPU is visible"
+        gpu = gpu_blocker(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+        reason = gpu and f"it needs a Hopper GPU (sm_90): {gpu}"
     return reason
 
 
@@ -41,9 +46,9 @@ def row_spec(batch: DecodeBatch, b: int) -> RowSpec:
     """The kernel's row state of batch row b: its position and block-table row, and how to sample it."""
     if not batch.sample:
         return RowSpec(position=batch.positions[b], seq=batch.rows[b])
-    row = batch.sampling[b]
-    params = row.params
-    return RowSpec(position=batch.positions[b], seq=batch.rows[b], step=len(row.output_ids), seed=row.seed,
+    args = batch.sampling
+    params = args.params[b]
+    return RowSpec(position=batch.positions[b], seq=batch.rows[b], step=args.draws[b], seed=args.seeds[b],
                    temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
                    top_p=params.top_p, min_p=params.min_p)
 
@@ -54,7 +59,7 @@ class _Carried:
     in_io: bool  # they are also still in the kernel's io buffer, rows 0..B_prev-1 (one launch, none since)
 
 
-class LaunchedKernelStep(LaunchedDecode):
+class LaunchedKernelStep(PendingTokens):
     """engine/backend.py's PendingDecode of one step: its tokens and status on their way to the host."""
 
     def __init__(self, out: torch.Tensor, num_rows: int, kernel: Megakernel) -> None:
@@ -70,9 +75,9 @@ class LaunchedKernelStep(LaunchedDecode):
 
 
 class MegakernelBackend:
-    """Decode in the megakernel, 8 rows per launch; prefill in a TorchBackend sharing the KV pools and the
-    device block tables. Samples on the device (no penalties, no logprobs); otherwise returns logits for
-    the engine's Sampler. kernel_factory (tests): builds the kernel instead of Megakernel, on any device."""
+    """Torch prefill plus kernel decode (8 rows per launch) over one set of pools and block tables. Samples
+    every row on the device; returns logits for the engine's Sampler when asked. kernel_factory (tests):
+    builds the kernel instead of Megakernel, on any device."""
 
     name = "megakernel"
 
@@ -86,16 +91,14 @@ class MegakernelBackend:
         self.config, self.max_batch, self.max_pages_per_seq = config, max_batch, max_pages_per_seq
         self.prefiller = TorchBackend(config, weights, num_pages, page_size, max_batch, max_pages_per_seq,
                                       cuda_graphs=False, compile=False)  # prefill only: no decode step to graph or compile
-        self.k_pool, self.v_pool, self.device = self.prefiller.k_pool, self.prefiller.v_pool, self.prefiller.device
+        # the one set both halves use: the prefiller's pools and device block tables
+        self.k_pool, self.v_pool, self.tables = self.prefiller.k_pool, self.prefiller.v_pool, self.prefiller.device_tables
+        self.device = self.k_pool.device
         launches = -(-max_batch // MAX_BATCH)  # per step; two steps may be queued (the pipeline)
         self.kernel = (kernel_factory(self.prefiller) if kernel_factory is not None
-                       else Megakernel(config, weights, self.k_pool, self.v_pool, self.prefiller.tables,
+                       else Megakernel(config, weights, self.k_pool, self.v_pool, self.tables.tables,
                                        row_buffers=max(8, 2 * launches)))
         self._carried: _Carried | None = None  # the last launch_decode's tokens
-
-    def can_sample(self, params: SamplingParams) -> bool:
-        return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
-                and params.logprobs is None)
 
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         return self.prefiller.prefill(batch)
@@ -124,7 +127,7 @@ class MegakernelBackend:
         """Enqueue one step and return without reading the device. carry[b] >= 0: row b feeds the token that
         row carry[b] of the previous launch sampled."""
         previous = self._carried
-        check_launchable(batch, carry, None if previous is None else previous.tokens.shape[0])
+        check_launch(batch, carry, None if previous is None else previous.tokens.shape[0])
         inputs = None  # every row feeds the token the kernel left in its io buffer
         if not self._goes_on_in_place(carry):
             inputs = carried_tokens(batch.token_ids, carry, None if previous is None else previous.tokens,
@@ -150,7 +153,7 @@ class MegakernelBackend:
         step of both decode and launch_decode: where tests inject hangs and failures."""
         num_rows, kernel = len(batch.rows), self.kernel
         assert num_rows > 0 and (inputs is not None or num_rows <= MAX_BATCH), "nothing to feed the launch"
-        self.prefiller.upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
+        self.tables.upload(batch.block_tables, batch.tables_version, batch.tables_columns)
         status = kernel.io[MAX_BATCH:]
         out = torch.empty(num_rows + status.numel(), dtype=torch.int32, device=self.device)
         logits = []

@@ -14,7 +14,6 @@ import ctypes
 import fcntl
 import hashlib
 import os
-import shutil
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -24,9 +23,11 @@ import torch
 
 from northcode import paths
 from northcode.config import ModelConfig
+from northcode.engine.device import to_device
+from northcode.engine.request import is_greedy_temperature
+from northcode.megakernel.support import nvcc_path, unsupported_reason
 from northcode.megakernel.tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, Schedule, TaskType, attention_splits,
                                         build_schedule, flatten, make_task, place_waves, summarize_profile)
-from northcode.torch_backend.launch import to_device
 
 __all__ = ["Megakernel", "RowSpec", "Schedule", "TaskType", "attention_splits", "build_library", "raise_for_status",
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
@@ -63,26 +64,6 @@ LAYER_PTR_NAMES = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_at
 # --- geometry and build ---
 
 
-def unsupported_reason(config: ModelConfig) -> str | None:
-    """Why the megakernel cannot run this model, or None when it can."""
-    checks = [
-        (config.num_shared_experts == 0, "shared experts are not implemented in the megakernel"),
-        (config.hidden_size % 64 == 0, f"hidden_size {config.hidden_size} is not a multiple of 64"),
-        (config.q_size % 32 == 0, f"num_attention_heads*head_dim {config.q_size} is not a multiple of 32"),
-        (config.head_dim % 16 == 0, f"head_dim {config.head_dim} is not a multiple of 16"),
-        (config.intermediate_size % 32 == 0, f"intermediate_size {config.intermediate_size} is not a multiple of 32"),
-        (config.dense_intermediate_size % 32 == 0,
-         f"dense intermediate size {config.dense_intermediate_size} is not a multiple of 32"),
-        (config.num_experts <= 256 and config.num_experts_per_tok <= 32, "more than 256 experts or top-k above 32"),
-        (config.num_attention_heads // config.num_key_value_heads * config.head_dim * 4 <= 64 * 1024,
-         "query group too large for the attention task's shared memory"),
-    ]
-    for ok, why in checks:
-        if not ok:
-            return why
-    return None
-
-
 def geometry(config: ModelConfig) -> dict[str, int]:
     """The -D defines that fix the kernel's geometry (order: GEOMETRY_FIELDS): every per-layer shape, not the
     depth (the task lists carry the layers), so a shallow copy of a model shares its build."""
@@ -94,10 +75,11 @@ def geometry(config: ModelConfig) -> dict[str, int]:
 
 
 def find_nvcc() -> str:
-    for candidate in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
-        if candidate and os.path.isfile(candidate):
-            return candidate
-    raise RuntimeError("megakernel: nvcc not found (put it on PATH or set CUDA_HOME)")
+    """support.nvcc_path, or RuntimeError saying where it was looked for."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("megakernel: nvcc not found (put it on PATH or set CUDA_HOME)")
+    return nvcc
 
 
 def nvcc_command(config: ModelConfig, output: Path, extra_flags: tuple[str, ...] = ()) -> list[str]:
@@ -193,8 +175,6 @@ class RowSpec:
         at or above the vocabulary is off (0) as the kernel reads it, the seed is taken modulo 2^64, and a
         temperature below SAMPLING_EPS is greedy (0: the kernel's 1/T overflows fp32 at 1e-39). ValueError,
         naming the field, for an integer beyond int32 or a float beyond fp32."""
-        from northcode.engine.request import SAMPLING_EPS
-
         for name in ("position", "seq", "step"):
             if not 0 <= getattr(self, name) < 2**31:
                 raise ValueError(f"megakernel: row {name} = {getattr(self, name)}: must be in [0, 2^31)")
@@ -202,7 +182,7 @@ class RowSpec:
             if not abs(getattr(self, name)) <= 3.4028234663852886e38:  # NaN fails too
                 raise ValueError(f"megakernel: row {name} = {getattr(self, name)}: must be a finite fp32 number")
         top_k = self.top_k if 0 < self.top_k < vocab_size else 0
-        temperature = self.temperature if self.temperature >= SAMPLING_EPS else 0.0
+        temperature = 0.0 if is_greedy_temperature(self.temperature) else self.temperature
         return struct.pack(ROW_FORMAT, self.position, self.seq, self.step, top_k, self.seed & (2**64 - 1),
                            temperature, self.top_p, self.min_p, 0.0)
 

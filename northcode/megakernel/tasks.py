@@ -21,10 +21,10 @@ from typing import NamedTuple
 import torch
 
 from northcode.config import ModelConfig
+from northcode.engine.settings import PAGE_SIZE  # the kernel's page: 64 tokens
 
 MAX_SPLITS = 32  # NC_MAX_SPLITS: attention splits per (row, KV head)
 HALF_SM_SPLIT_TOKENS = 8192 + 64  # a layer's span up to which its attention splits fill half the SMs (8K measured)
-PAGE_SIZE = 64
 TASK_WORDS = 16
 QKV_TILES = 2  # 16-row tiles per QKV task, multiplied together (twice the loads in flight: 3% faster at B = 1)
 # A sparse layer's COMBINE tasks go to the last blocks, which take no MoE up tiles, so the combine runs as soon as

@@ -17,17 +17,21 @@ graphs of the decode step.
     compiled_step.py's torch.compile'd one instead: compiled and checked against the eager step per batch
     bucket at warm-up, one graph per batch bucket for every context (key (bucket, ANY_CONTEXT)); a compile
     that fails is logged once (`compile_failure`) and the eager step decodes from then on.
-  - launch_decode (launch.py) enqueues the same step for the engine's pipeline: carried rows take the
-    previous launch's tokens on the device, the rows are sampled on the device, and the host reads the tokens
-    only in `result()`, after it has launched the next step.
+  - launch_decode enqueues the same step for the engine's pipeline, with no read of the device from the host
+    before `result()`: host inputs go up through pinned memory, carried rows take the previous launch's
+    tokens with one gather on the device (engine/device.py), the rows are sampled on the device, and the
+    tokens start a non-blocking copy to pinned memory behind a CUDA event, so the GPU runs step n+1 while
+    the host reads step n (on the CPU the same code runs at once).
   Both run the model through `decode_logits` (the one place tests inject hangs and failures).
 A graph is captured on the backend's own stream after two warm-up steps there, with the garbage collector
-run first and held off meanwhile: a dead backend's graphs (backends live in reference cycles) destroyed in
-the middle of a capture invalidate it. A capture that fails anyway is undone, logged and kept in
+run first and held off meanwhile: a dead backend's graphs destroyed in the middle of a capture invalidate it.
+Each captured graph holds its backend, so a backend with graphs (a GPU's) is freed by the cyclic collector,
+which a capture holds off; the other helpers (prefill, decode step, compiled step) hold it through a weak
+proxy, so a backend without graphs (the CPU's, the megakernel's prefiller) is freed, pools with it, as soon as
+nothing refers to it. A capture that fails anyway is undone, logged and kept in
 `capture_failures`; that (batch, context) bucket then runs eagerly.
-decode samples with the PyTorch sampler (engine/sampling.py) on the same device, after the step; launch_decode with
-launch.sample_on_device (the same draws, no host read). Host inputs (token ids, positions, rows, block
-tables) go up through pinned memory without a sync.
+decode and launch_decode sample every row with the device draw (engine/sampling.sample_on_device); the
+engine's Sampler samples the rows with penalties or logprobs from the logits decode returns.
 NORTHCODE_TORCH_MOE=grouped|gathered picks the decode MoE path (routed_experts.py) to measure both.
 """
 
@@ -36,43 +40,35 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from northcode.config import ModelConfig
-from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch
+from northcode.engine.backend import (DecodeBatch, DecodeResult, PrefillBatch, check_launch, context_bucket,
+                                      next_power_of_two)
+from northcode.engine.device import DeviceBlockTables, PendingTokens, carried_tokens, to_device
 from northcode.engine.kv_cache import page_bytes
-from northcode.engine.request import SamplingParams
-from northcode.engine.sampling import Sampler
+from northcode.engine.sampling import sample_on_device
 from northcode.model.model import check_weights, layer_weights, rope_inv_freq
 from northcode.torch_backend.compiled_step import CompiledDecode, compile_requested
 from northcode.torch_backend.decode_step import DecodeStep, slot_major_qkv
-from northcode.torch_backend.launch import LaunchedDecode, carried_tokens, check_launchable, copy_from_host
-from northcode.torch_backend.launch import sample_on_device, to_device
 from northcode.torch_backend.paged_prefill import ChunkPrefill
 from northcode.torch_backend.routed_experts import choose_moe_path
 
 log = logging.getLogger(__name__)
-MIN_CONTEXT_PAGES = 4  # smallest context bucket of the decode graphs (pages of full layers)
-BUCKET_STEPS_PER_OCTAVE = 8  # context buckets: 16, 18, 20, ..., 30, 32, 36, ... pages
 WARM_UP_CHUNK_TOKENS = 1024  # warm_up_prefill runs chunks of 1, 2, 4, ... this many tokens (2047 in all)
 WARM_UP_CONTEXT = 4096  # cached tokens before each warm-up chunk: the attention shapes of an agent's next turn
 ANY_CONTEXT = 0  # the context part of a compiled step's graph key: one graph serves every context length
 
 
-def next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+class LaunchedDecode(PendingTokens):
+    """engine/backend.py's PendingDecode for a TorchBackend launch: the sampled tokens' copy to the host."""
 
-
-def context_bucket(num_pages: int, max_pages: int) -> int:
-    """The pages a decode graph reads for a context of num_pages: rounded up to a step of 1/8 octave."""
-    if num_pages <= 2 * BUCKET_STEPS_PER_OCTAVE:
-        bucket = max(MIN_CONTEXT_PAGES, next_power_of_two(num_pages))
-    else:
-        step = next_power_of_two(num_pages + 1) // (2 * BUCKET_STEPS_PER_OCTAVE)
-        bucket = -(-num_pages // step) * step
-    return min(bucket, max_pages)
+    def result(self) -> DecodeResult:
+        """The host token ids, once copied."""
+        return DecodeResult(self.host_values(), None)
 
 
 class TorchBackend:
@@ -108,13 +104,10 @@ class TorchBackend:
                                    dtype=self.dtype, device=self.device)
         self.k_pool, self.v_pool = self.kv_pool[0], self.kv_pool[1]  # each contiguous [num_pages + 1, ps, Hkv, D]
         assert page_bytes(config, page_size, self.dtype) * (num_pages + 1) == self.kv_pool.nbytes
-        # device block tables (-1: unmapped; the megakernel reads these too); row max_batch stays -1 for
-        # padded decode rows. page_of: the same with the scratch page for -1, as long: what the decode step
-        # indexes the pool with, so the graph needs no kernel to translate it.
-        table_shape = (config.num_hidden_layers, max_batch + 1, max_pages_per_seq)
-        self.tables = torch.full(table_shape, -1, dtype=torch.int32, device=self.device)
-        self.page_of = torch.full(table_shape, self.scratch_page, dtype=torch.long, device=self.device)
-        self.tables_version = -1
+        # the device block tables (the megakernel reads the same ones): int32 `tables`, long `page_of`
+        self.device_tables = DeviceBlockTables(config.num_hidden_layers, max_batch, max_pages_per_seq,
+                                               self.scratch_page, self.device)
+        self.tables, self.page_of = self.device_tables.tables, self.device_tables.page_of
         self.moe_path = choose_moe_path(self.device, self.dtype)  # decode
         self.prefill_moe_path = "grouped" if self.device.type == "cpu" or self.dtype == torch.bfloat16 else "loop"
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
@@ -122,17 +115,14 @@ class TorchBackend:
         self.capture_failures: dict[tuple[int, int], str] = {}  # the same keys -> the error; run eagerly
         self.graph_pool = None
         self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None  # warm-up and capture
-        self.sampler = Sampler()
         self.last_launch_tokens: torch.Tensor | None = None  # device long [B]: what launch_decode sampled last
-        self.prefiller = ChunkPrefill(self)
-        self.decoder = DecodeStep(self)  # its prepare / layer are what the GPU tests teacher-force
-        self.compiled = CompiledDecode(self) if compile_requested(compile, self.device, cuda_graphs) else None
+        this = weakref.proxy(self)  # the helpers' reference back: no cycle keeps a dropped backend's pools
+        self.prefiller = ChunkPrefill(this)
+        self.decoder = DecodeStep(this)  # its prepare / layer are what the GPU tests teacher-force
+        self.compiled = CompiledDecode(this) if compile_requested(compile, self.device, cuda_graphs) else None
         self.compile_failure: str | None = None  # why compile was given up, if it was
         # (token_ids, positions, rows, num_full_pages) -> logits: the compiled step, or the eager one
         self.decode_step = self.compiled if self.compiled is not None else self.decoder.__call__
-
-    def can_sample(self, params: SamplingParams) -> bool:
-        return True  # every parameter: the PyTorch sampler runs on this device after the step
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """model.norm in one fused kernel: fp32 statistics, the result in x's dtype. x [..., H]."""
@@ -148,20 +138,10 @@ class TorchBackend:
             logits = logits * self.config.logit_scale
         return logits.float()
 
-    def upload_tables(self, host_tables: torch.Tensor, version: int, high_water: int | None = None) -> None:
-        """Copy the host block tables when they changed; only the first high_water columns were ever set."""
-        if version != self.tables_version:
-            columns = self.max_pages_per_seq if high_water is None else high_water
-            host = host_tables[:, :, :columns]
-            copy_from_host(self.tables[:, :self.max_batch, :columns], host)
-            page_of = torch.where(host < 0, self.scratch_page, host.long())  # on the host: no device kernel
-            copy_from_host(self.page_of[:, :self.max_batch, :columns], page_of)
-            self.tables_version = version
-
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         """Each chunk runs alone: its tokens attend to each other and to the row's cached pages."""
-        self.upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
+        self.device_tables.upload(batch.block_tables, batch.tables_version, batch.tables_columns)
         last_hidden = [self.prefiller.forward(to_device(torch.tensor(chunk.token_ids), self.device), chunk.start,
                                               chunk.row)[-1] for chunk in batch.chunks]
         return self.logits(torch.stack(last_hidden))
@@ -171,7 +151,7 @@ class TorchBackend:
         self.last_launch_tokens = None  # a later launch can carry nothing across this step
         inputs = to_device(torch.tensor(batch.token_ids, dtype=torch.long), self.device)  # [B]
         logits = self.decode_logits(batch, inputs)
-        token_ids = self.sampler.sample(logits, batch.sampling).token_ids if batch.sample else None
+        token_ids = sample_on_device(logits, batch.sampling).tolist() if batch.sample else None
         return DecodeResult(token_ids, logits if batch.return_logits else None)
 
     @torch.inference_mode()
@@ -179,7 +159,7 @@ class TorchBackend:
         """Enqueue one decode step and its sampling; return without reading the device (engine/backend.py).
         carry[b] >= 0: row b feeds the token row carry[b] of the previous launch sampled."""
         previous = self.last_launch_tokens
-        check_launchable(batch, carry, None if previous is None else previous.shape[0])
+        check_launch(batch, carry, None if previous is None else previous.shape[0])
         token_ids = carried_tokens(batch.token_ids, carry, previous, self.device)  # device long [B]
         tokens = sample_on_device(self.decode_logits(batch, token_ids), batch.sampling)
         self.last_launch_tokens = tokens
@@ -188,7 +168,7 @@ class TorchBackend:
     def decode_logits(self, batch: DecodeBatch, token_ids: torch.Tensor) -> torch.Tensor:
         """[B, V] fp32 logits of one decode step (in a CUDA graph on a GPU); token_ids: device long [B].
         The model step of both decode and launch_decode: where tests inject hangs and failures."""
-        self.upload_tables(batch.block_tables, batch.tables_version, batch.tables_columns)
+        self.device_tables.upload(batch.block_tables, batch.tables_version, batch.tables_columns)
         num_rows = len(batch.rows)
         bucketed = self.use_graphs or self.compiled is not None  # a compiled step has static shapes too
         bucket = min(next_power_of_two(num_rows), self.max_batch) if bucketed else num_rows

@@ -30,11 +30,11 @@ keeps the scores in fp32 where the eager bmm rounds them to the model dtype).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
 
+from northcode.config import env_compile_gemv_max_batch, env_torch_compile, env_torch_moe
 from northcode.model.model import apply_rope, rope_cos_sin
 from northcode.torch_backend.routed_experts import gathered_pair_outputs, grouped_pair_outputs, route_logits
 
@@ -216,10 +216,7 @@ def gemv_max_batch() -> int:
     gathered experts (0: cuBLAS and the grouped GEMM everywhere; 8: at batch 8 too, where each row reads its
     own 8 experts, ~23% more bytes than the distinct ones: 16% slower than the grouped GEMM there, and batch 4
     6% faster for 50 s more compiling)."""
-    chosen = os.environ.get("NORTHCODE_TORCH_COMPILE_GEMV", "2").strip()
-    if not chosen.isdigit():
-        raise ValueError(f"NORTHCODE_TORCH_COMPILE_GEMV={chosen!r}: must be a batch size (0: never)")
-    return int(chosen)
+    return env_compile_gemv_max_batch(default=2)
 
 
 # --- the driver ---
@@ -248,11 +245,9 @@ def compile_requested(compile: bool | None, device: torch.device, cuda_graphs: b
     code needs a C++ compiler and gains little there) and without CUDA graphs (a prefiller or a reference)."""
     if compile is not None:
         return compile
-    chosen = os.environ.get("NORTHCODE_TORCH_COMPILE", "").strip()
-    if chosen:
-        if chosen not in ("0", "1"):
-            raise ValueError(f"NORTHCODE_TORCH_COMPILE={chosen!r}: must be 0 or 1")
-        return chosen == "1"
+    chosen = env_torch_compile()
+    if chosen is not None:
+        return chosen
     return device.type == "cuda" and cuda_graphs
 
 
@@ -301,7 +296,7 @@ class CompiledDecode:
         cfg, backend = self.config, self.backend
         # grouped: the grouped GEMM, whose meta function (what compile traces) takes bf16 only, even on the CPU
         grouped = not gemv and backend.dtype == torch.bfloat16
-        moe_path = os.environ.get("NORTHCODE_TORCH_MOE", "").strip() or ("grouped" if grouped else "gathered")
+        moe_path = env_torch_moe() or ("grouped" if grouped else "gathered")
         shared = None if cfg.num_shared_experts == 0 else cfg.shared_expert_combination_strategy
         return LayerSpec(cfg.uses_rms_norm, cfg.norm_eps, backend.page_size, cfg.num_key_value_heads,
                          cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, backend.qkv_size,

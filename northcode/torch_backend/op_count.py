@@ -146,9 +146,10 @@ def decode_step_at(batch: int, context: int, config=None, device: str = "cpu", d
     torch.compile'd step (compiled_step.py, compiled here for this batch) instead of the eager one."""
     import functools
 
+    from northcode.engine.backend import context_bucket
     from northcode.engine.kv_cache import KVCacheManager
     from northcode.model.synthetic import random_weights
-    from northcode.torch_backend.backend import TorchBackend, context_bucket
+    from northcode.torch_backend.backend import TorchBackend
 
     config = config or structural_config()
     weights = random_weights(config, device=device, dtype=dtype)
@@ -160,15 +161,17 @@ def decode_step_at(batch: int, context: int, config=None, device: str = "cpu", d
     for row in range(batch):
         kv.allocate(row, context + 1)
         kv.evict_behind_window(row, context)
-    backend.upload_tables(kv.block_tables, kv.version)
+    backend.device_tables.upload(kv.block_tables, kv.version)
     token_ids = torch.zeros(batch, dtype=torch.long, device=device)
     positions = torch.full((batch,), context, dtype=torch.long, device=device)
     rows = torch.arange(batch, device=device)
     pages = context_bucket(-(-(context + 1) // page_size), pages_per_seq)  # what the graph would read
     if compiled:
         backend.compiled.compile_bucket(batch)
-        return functools.partial(backend.compiled, token_ids, positions, rows, pages)
-    return functools.partial(backend.decoder.__call__, token_ids, positions, rows, pages)
+    step = backend.compiled if compiled else backend.decoder.__call__
+    call = functools.partial(step, token_ids, positions, rows, pages)
+    call.backend = backend  # the step holds its backend weakly: the call keeps it alive
+    return call
 
 
 def count_decode(batch: int = 1, context: int = 8192, config=None) -> KernelCounter:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from northcode.engine.device import to_device
 from northcode.model.model import apply_rope, rope_cos_sin, swiglu
-from northcode.torch_backend.launch import to_device
 from northcode.torch_backend.routed_experts import add_moe
 
 SCORE_BUDGET_BYTES = 1 << 30  # fp32 attention scores of one query block at most

@@ -26,12 +26,10 @@ ran eagerly; at N = 1 it stays one baddbmm, which captured and ran there.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from northcode.config import ModelConfig
+from northcode.config import ModelConfig, env_torch_moe
 from northcode.model.model import expert_weights, route, run_experts
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10 on
@@ -40,7 +38,7 @@ MOE_PATHS = ("grouped", "gathered")  # "loop" (model.run_experts, host syncs) se
 
 def choose_moe_path(device: torch.device, dtype: torch.dtype) -> str:
     """NORTHCODE_TORCH_MOE when set, else grouped where the grouped GEMM runs (CPU, bf16 on CUDA)."""
-    chosen = os.environ.get("NORTHCODE_TORCH_MOE", "").strip()
+    chosen = env_torch_moe()
     if chosen:
         if chosen not in MOE_PATHS:
             raise ValueError(f"NORTHCODE_TORCH_MOE={chosen!r}: must be one of {', '.join(MOE_PATHS)}")

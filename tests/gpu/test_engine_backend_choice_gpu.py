@@ -15,14 +15,13 @@ pytestmark = pytest.mark.gpu
 
 
 def test_auto_runs_the_megakernel_in_the_engine_and_restarts_it(tiny_checkpoint):
-    from northcode.engine.engine import Engine
     from northcode.engine.request import SamplingParams
     from northcode.engine.settings import EngineSettings
+    from northcode.runtime import load_engine
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the megakernel runs on sm_90 only")
-    engine = Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cuda", num_pages=256, seed=0,
-                                                                      backend="megakernel"))
+    engine = load_engine(tiny_checkpoint, EngineSettings(device="cuda", num_pages=256, seed=0, backend="megakernel"))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(20, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (3, 17, 40, 65, 70, 99, 130, 150)]

@@ -27,6 +27,7 @@ import torch
 
 from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
 from northcode.engine.kv_cache import KVCacheManager
+from northcode.engine.sampling import BatchSamplingArgs
 
 pytestmark = pytest.mark.gpu
 
@@ -84,7 +85,8 @@ def paged_decode(kv, backend, rows: list[int], token_ids: list[int], positions: 
     for row, pos in zip(rows, positions):
         kv.evict_behind_window(row, pos)
         kv.allocate(row, pos + 1)
-    batch = DecodeBatch(rows, token_ids, positions, [], False, True, kv.block_tables, kv.version, kv.high_water)
+    batch = DecodeBatch(rows, token_ids, positions, BatchSamplingArgs.of_rows([]), False, True, kv.block_tables,
+                        kv.version, kv.high_water)
     return backend.decode(batch).logits
 
 
@@ -170,7 +172,7 @@ def test_bf16_full_geometry_layers_match_the_reference_decoding_from_the_same_8k
     backend.moe_path = moe_path
     copy_into_pages(kv, backend, 0, cache, CONTEXT)
     kv.allocate(0, CONTEXT + 1)
-    backend.upload_tables(kv.block_tables, kv.version)
+    backend.device_tables.upload(kv.block_tables, kv.version)
     rows = torch.tensor([0], device="cuda")
     positions = torch.tensor([CONTEXT], device="cuda")
     cos, sin = rope_cos_sin(positions, model.inv_freq, model.dtype)  # [1, D]: the reference's
@@ -265,8 +267,8 @@ def test_a_failed_capture_decodes_eagerly_and_leaves_the_cuda_generator_usable(t
         kv.allocate(0, 29)
         backend.prefill(PrefillBatch([PrefillChunk(0, tokens[:29], 0)], kv.block_tables, kv.version, kv.high_water))
         kv.allocate(0, 30)
-        return backend.decode(DecodeBatch([0], [tokens[29]], [29], [], False, True, kv.block_tables, kv.version,
-                                          kv.high_water)).logits
+        return backend.decode(DecodeBatch([0], [tokens[29]], [29], BatchSamplingArgs.of_rows([]), False, True,
+                                          kv.block_tables, kv.version, kv.high_water)).logits
 
     broken = TorchBackend(config, weights, 64, 16, 4, 16, compile=False)
     real_step = broken.decode_step
@@ -297,14 +299,14 @@ def test_the_decode_step_launches_few_kernels_on_the_gpu():
 
 
 def test_tiny_engine_on_the_gpu_matches_the_reference_and_reuses_prefixes(tiny_checkpoint):
-    from northcode.engine.engine import Engine
     from northcode.engine.request import SamplingParams
     from northcode.engine.settings import EngineSettings
     from northcode.model.model import NorthModel
+    from northcode.runtime import load_engine
 
     reference = NorthModel.from_dir(tiny_checkpoint, device="cuda", dtype=torch.float32)
-    engine = Engine.from_model_dir(tiny_checkpoint, EngineSettings(device="cuda", dtype="float32", page_size=16,
-                                                                   chunk_size=24, num_pages=80, seed=0, compile=False))
+    engine = load_engine(tiny_checkpoint, EngineSettings(device="cuda", dtype="float32", page_size=16, chunk_size=24,
+                                                         num_pages=80, seed=0, compile=False))
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(20, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (5, 30, 61, 90)]

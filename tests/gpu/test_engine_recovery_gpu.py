@@ -38,14 +38,14 @@ def model_step(backend: str):
 
 @pytest.fixture(scope="module", params=["torch", "megakernel"])
 def engine(request, tiny_checkpoint):
-    from northcode.engine.engine import Engine
     from northcode.engine.settings import EngineSettings
+    from northcode.runtime import load_engine
 
     if request.param == "megakernel" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the megakernel runs on sm_90 only")
     settings = EngineSettings(device="cuda", seed=0, backend=request.param, compile=False, max_model_len=MAX_MODEL_LEN)
     assert settings.gpu_memory_fraction == EngineSettings().gpu_memory_fraction  # the default
-    engine = Engine.from_model_dir(tiny_checkpoint, settings)
+    engine = load_engine(tiny_checkpoint, settings)
     assert engine.backend.name == request.param, engine.stats()["backend_reason"]
     yield engine
     engine.shutdown()

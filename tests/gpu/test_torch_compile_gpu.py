@@ -21,8 +21,10 @@ import torch.nn.functional as F
 
 from northcode.engine.backend import DecodeBatch, PrefillBatch, PrefillChunk
 from northcode.engine.kv_cache import KVCacheManager
+from northcode.engine.sampling import BatchSamplingArgs
 
 pytestmark = pytest.mark.gpu
+NO_SAMPLING = BatchSamplingArgs.of_rows([])  # batches that ask for logits only
 
 BF16_COS_MIN, BF16_REL_TOL = 0.999, 0.05  # per layer, as the 49-layer bf16 test of test_engine_gpu.py
 # End to end, the two paths' roundings differ, and with random weights the router's k-th/(k+1)-th gap is within
@@ -61,7 +63,7 @@ def test_tiny_compiled_graph_equals_the_eager_graphs_over_pages_and_the_window(t
             for row, pos in zip(rows, positions):
                 kv.evict_behind_window(row, pos)
                 kv.allocate(row, pos + 1)
-            batch = DecodeBatch(rows, [tokens[p] for p in positions], positions, [], False, True, kv.block_tables,
+            batch = DecodeBatch(rows, [tokens[p] for p in positions], positions, NO_SAMPLING, False, True, kv.block_tables,
                                 kv.version, kv.high_water)
             logits.append(backend.decode(batch).logits)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=1e-3)
@@ -109,7 +111,8 @@ def test_five_layers_of_north_mini_code_compiled_equal_eager_at_8k_in_place(widt
     end_to_end = []  # per step, the rows' failures: asserted after the strict per-layer check below
     for step in range(steps):
         positions = [n + step for n in lengths]
-        got = [b.decode(DecodeBatch(rows, token_ids, positions, [], False, True, tables, 0)).logits for b in backends]
+        got = [b.decode(DecodeBatch(rows, token_ids, positions, NO_SAMPLING, False, True, tables, 0)).logits
+               for b in backends]
         end_to_end.append(trace_rows(eager, compiled, token_ids, positions, got, f"B={batch} step {step}"))
     assert compiled.compile_failure is None and not compiled.capture_failures
     assert set(compiled.graphs) == {(batch, ANY_CONTEXT)}
