@@ -1,11 +1,9 @@
-"""Shared test set-up: a private NORTHCODE_HOME, the `gpu` marker's skip, a tiny checkpoint, and the
-collection of the engines a test leaves behind."""
+"""Shared test set-up: a private NORTHCODE_HOME, the `gpu` marker's skip, and a tiny checkpoint. (A CPU engine
+a test shuts down is freed by reference counting, its KV pool with it: no collection is needed here.)"""
 
 from __future__ import annotations
 
-import gc
 import os
-import resource
 
 import pytest
 
@@ -48,26 +46,3 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("tiny-checkpoint")
     create_checkpoint("tiny", out, seed=0)
     return out
-
-
-COLLECT_ABOVE_BYTES = 1 << 30  # growth of the process since the last collection that triggers one
-_collected_at = [0]  # resident bytes after the last collection
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-@pytest.fixture(autouse=True)
-def _collect_left_engines():
-    """An Engine and its backend sit in reference cycles (the step thread's target is a bound method), so their
-    KV pools (2 GiB each on the CPU by default) go only when the cyclic collector runs, and it rarely does: the
-    engines of a dozen tests piled up to 13 GB in one process. After a test that left the process a GiB larger,
-    collect: the suite then holds one test's engines, not the sum of everyone's."""
-    yield
-    if not os.path.exists("/proc/self/statm"):
-        return
-    if _resident_bytes() > _collected_at[0] + COLLECT_ABOVE_BYTES:
-        gc.collect()
-        _collected_at[0] = _resident_bytes()

@@ -182,7 +182,7 @@ def test_compiled_pool_stays_under_32_bit_offsets_and_the_engine_caps_its_pool()
     pool to it where the torch backend will compile (a 68 GB pool failed flex_attention's Triton
     compile), and not where it will not."""
     from northcode.engine.backend import BackendChoice
-    from northcode.engine.engine import kv_page_budget
+    from northcode.engine.kv_cache import kv_page_budget
     from northcode.engine.settings import EngineSettings
     from northcode.model.synthetic import preset_config
     from northcode.runtime import page_limit

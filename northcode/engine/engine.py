@@ -33,7 +33,7 @@ import torch
 
 from northcode.config import ModelConfig
 from northcode.engine.backend import BackendChoice, BackendFactory, DecodeBatch, ModelBackend, PrefillBatch, PrefillChunk
-from northcode.engine.kv_cache import KVCacheManager, page_bytes
+from northcode.engine.kv_cache import KVCacheManager, context_limit, kv_page_budget
 from northcode.engine.pipeline import DecodePipeline, can_pipeline, read_tokens
 from northcode.engine.recovery import RESTART, StepGuard, attempt, fault_of, step_shapes
 from northcode.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
@@ -45,41 +45,9 @@ from northcode.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # the step thread sleeps at most this long when there is nothing to run
-GPU_WORKSPACE_BYTES = 3 << 30  # kept out of the pool: prefill activations and attention scores, graphs
 CALLER_REASON = "given by the caller (backend_factory)"  # backend_reason of a factory that gives none
 
 Sampled = list[tuple[Sequence, int, TokenLogprob | None]]  # a step's tokens: (sequence, token, its logprob)
-
-
-def kv_page_budget(config: ModelConfig, settings: EngineSettings, dtype: torch.dtype, device: torch.device,
-                   max_pages: int | None = None) -> int:
-    """Pages of the pool: fixed, or (free GPU memory - workspace) x gpu_memory_fraction, or the CPU byte
-    budget, at most `max_pages` (the backend's limit). The workspace also covers the torch backend's fused
-    QKV copy of the attention weights."""
-    if settings.num_pages is not None:
-        return settings.num_pages
-    if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        element_bytes = torch.empty((), dtype=dtype).element_size()
-        qkv_bytes = config.num_hidden_layers * (config.q_size + 2 * config.kv_size) * config.hidden_size * element_bytes
-        budget = int(max(0, free_bytes - GPU_WORKSPACE_BYTES - qkv_bytes) * settings.gpu_memory_fraction)
-    else:
-        budget = settings.cpu_kv_bytes
-    pages = max(1, budget // page_bytes(config, settings.page_size, dtype))
-    if max_pages is not None and pages > max_pages:
-        log.info("KV pool: %d pages of the %d that fit: the backend's limit", max_pages, pages)
-        return max_pages
-    return pages
-
-
-def context_limit(config: ModelConfig, settings: EngineSettings, kv: KVCacheManager) -> int:
-    """The longest sequence one request may reach: the model's and the user's limits, and the pool."""
-    limit = min(config.max_position_embeddings, settings.max_model_len or config.max_position_embeddings)
-    low, high = 1, limit  # the largest length whose peak pages fit the whole pool
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if kv.peak_pages(middle, settings.chunk_size) <= kv.pool.num_pages else (low, middle - 1)
-    return low
 
 
 def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
@@ -424,14 +392,7 @@ class Engine:
         """After a hung (error None: its requests were already ended) or failed step: end the step's
         requests, then rebuild the KV cache, scheduler and backend from the weights on the device; every
         other request is kept, recomputes what it had, and goes on. A restart that fails is fatal."""
-        for seq in self._in_step:
-            request = self._requests.get(seq.request_id)
-            if request is not None and not request.ended:
-                self._finish(request, "error", None, error=error)
-        self._in_step, self.pipeline.launched = [], None  # a launched step's tokens are lost with its backend
-        for request_id in [i for i, r in self._requests.items() if r.ended]:
-            del self._requests[request_id]
-        survivors = sorted((r.sequence for r in self._requests.values()), key=lambda s: s.arrival)
+        survivors = self._end_failed_step(error)
         self._publish_stats(status="restarting")
         self.backend = None  # drop the old pools and graphs before allocating new ones
         self.kv, self.scheduler = self._fresh_cache()
@@ -449,6 +410,17 @@ class Engine:
             self.scheduler.take_back(seq)
         log.warning("engine: %s backend restarted (restart %d); %d requests kept", self.backend_choice.name,
                     self.restarts, len(survivors))
+
+    def _end_failed_step(self, error: str | None) -> list[Sequence]:
+        """End the failed step's requests (and drop those the watchdog ended); the others, in arrival order."""
+        for seq in self._in_step:
+            request = self._requests.get(seq.request_id)
+            if request is not None and not request.ended:
+                self._finish(request, "error", None, error=error)
+        self._in_step, self.pipeline.launched = [], None  # a launched step's tokens are lost with its backend
+        for request_id in [i for i, r in self._requests.items() if r.ended]:
+            del self._requests[request_id]
+        return sorted((r.sequence for r in self._requests.values()), key=lambda s: s.arrival)
 
     def _on_step_overdue(self, what: str, limit_s: float) -> None:
         """Watchdog thread, while the step thread is blocked in the step: end the step's requests now."""

@@ -10,12 +10,14 @@ Layout (docs/architecture.md): `k_pool, v_pool: [num_pages + 1, page_size, num_k
 `int32 [num_layers, max_batch, max_pages_per_seq]`, -1 where nothing is mapped.
 Invariant: a page is written only while exactly one sequence holds it and its block is not full;
 full blocks are immutable, which is what lets the prefix cache share them by reference count.
-This file does bookkeeping on the host only; it never runs the model.
+This file does bookkeeping on the host only; it never runs the model. At start-up `kv_page_budget` sizes
+the pool (settings, free memory, the backend's limit) and `context_limit` the longest sequence it can hold.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from northcode.config import ModelConfig
+from northcode.engine.settings import EngineSettings
 
+log = logging.getLogger(__name__)
 HASH_SEED = b"northcode-prefix-v1"
 # Sliding layers keep one page more than the window needs, so that a prefix which ends on the last
 # block boundary before the sequence's end (what the next agent turn attaches) still has its window.
@@ -294,3 +298,39 @@ def allocate_kv_pools(config: ModelConfig, num_pages: int, page_size: int, dtype
     """k_pool, v_pool: [num_pages + 1, page_size, num_kv_heads, head_dim]; the last page is scratch."""
     shape = (num_pages + 1, page_size, config.num_key_value_heads, config.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+# --- how large the pool is ---
+
+GPU_WORKSPACE_BYTES = 3 << 30  # kept out of the pool: prefill activations and attention scores, graphs
+
+
+def kv_page_budget(config: ModelConfig, settings: EngineSettings, dtype: torch.dtype, device: torch.device,
+                   max_pages: int | None = None) -> int:
+    """Pages of the pool: fixed, or (free GPU memory - workspace) x gpu_memory_fraction, or the CPU byte
+    budget, at most `max_pages` (the backend's limit). The workspace also covers the torch backend's fused
+    QKV copy of the attention weights."""
+    if settings.num_pages is not None:
+        return settings.num_pages
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        qkv_bytes = config.num_hidden_layers * (config.q_size + 2 * config.kv_size) * config.hidden_size * element_bytes
+        budget = int(max(0, free_bytes - GPU_WORKSPACE_BYTES - qkv_bytes) * settings.gpu_memory_fraction)
+    else:
+        budget = settings.cpu_kv_bytes
+    pages = max(1, budget // page_bytes(config, settings.page_size, dtype))
+    if max_pages is not None and pages > max_pages:
+        log.info("KV pool: %d pages of the %d that fit: the backend's limit", max_pages, pages)
+        return max_pages
+    return pages
+
+
+def context_limit(config: ModelConfig, settings: EngineSettings, kv: KVCacheManager) -> int:
+    """The longest sequence one request may reach: the model's and the user's limits, and the pool."""
+    limit = min(config.max_position_embeddings, settings.max_model_len or config.max_position_embeddings)
+    low, high = 1, limit  # the largest length whose peak pages fit the whole pool
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if kv.peak_pages(middle, settings.chunk_size) <= kv.pool.num_pages else (low, middle - 1)
+    return low
