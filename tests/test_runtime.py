@@ -1,4 +1,4 @@
-"""--backend auto | torch | megakernel: what each resolves to, and why, on this CPU machine and (by passing
+"""runtime.py: --backend auto | torch | megakernel, what each resolves to, and why, on this CPU machine and (by passing
 the GPU's capability and nvcc) on the machines the megakernel is for."""
 
 from __future__ import annotations
