@@ -31,6 +31,16 @@ async def chat_completions(request: Request):
     state = request.app.state.server
     state.require_ready()
     chat, prompt_ids = await run_in_threadpool(partial(build_prompt, fits_context=True), state, await read_json(request))
+    run, parser = await start_chat_run(state, request, chat, prompt_ids, "chatcmpl")
+    if chat.options.stream:
+        return StreamingResponse(_stream(state, run, chat, parser), media_type="text/event-stream", headers=SSE_HEADERS)
+    return JSONResponse(await _complete(state, run, chat, parser))
+
+
+async def start_chat_run(state, request: Request, chat: ChatRequest, prompt_ids: list[int],
+                         prefix: str) -> tuple[EngineRun, OutputParser]:
+    """The engine path every chat-shaped front end shares: the forced call (tool_choice), sampling, the
+    output parser and the admitted EngineRun, its first output awaited (RequestError if it cannot run)."""
     engine, markers = state.engine, state.markers
     forced_ids, action_prefix = forced_action(chat, prompt_ids, markers, engine.tokenizer)
     prompt_ids = prompt_ids + forced_ids
@@ -41,11 +51,9 @@ async def chat_completions(request: Request):
         stop=sampling.stop, tools_enabled=chat.tools is not None, action_prefix=action_prefix,
         parallel_tool_calls=chat.parallel_tool_calls, reasoning_alias=state.options.reasoning_alias,
     )
-    run = EngineRun(state, request, "chatcmpl", prompt_ids, sampling)
+    run = EngineRun(state, request, prefix, prompt_ids, sampling)
     await run.start()
-    if chat.options.stream:
-        return StreamingResponse(_stream(state, run, chat, parser), media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(await _complete(state, run, chat, parser))
+    return run, parser
 
 
 def build_prompt(state, body, *, fits_context: bool = False) -> tuple[ChatRequest, list[int]]:
