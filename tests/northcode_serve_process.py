@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -32,23 +33,30 @@ def wait_ready(url: str, process: subprocess.Popen | None, timeout_s: float = 12
 
 @contextlib.contextmanager
 def northcode_serve(model_dir, *extra_args: str):
-    """Yields the server's root URL; the server (and its process group) is stopped afterwards."""
+    """Yields the server's root URL; the server (and its process group) is stopped afterwards. Its log goes to a
+    temporary file, not a pipe: a pipe nobody reads blocks a server that logs more than its buffer."""
     port = free_port()
     command = [sys.executable, "-m", "northcode.cli", "serve", "--model", str(model_dir), "--port", str(port),
                "--device", "cpu", "--num-pages", "512", "--log-level", "warning", *extra_args]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process)
-        yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        process.stderr.close()
+            wait_ready(url, process)
+            yield url
+        finally:
+            stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL 8 s later (within `timeout -k 10`, which device scripts use)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=8)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def metric(url: str, name: str) -> float:

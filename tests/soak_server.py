@@ -38,7 +38,7 @@ if not __package__:  # run as a script: the repository root on sys.path, for `te
 
 import httpx
 
-from tests.northcode_serve_process import free_port, metric, wait_ready
+from tests.northcode_serve_process import free_port, metric, stop, wait_ready
 
 # Flat: allocator noise (glibc arenas, torch's caches for new batch and prefill shapes) was +2 to +11 MiB over
 # 800-1000 requests on the tiny model (CPU, ~450 MiB); a leak of one request's state (its sequence, text, logprobs:
@@ -380,17 +380,6 @@ def started_server(args: argparse.Namespace):
             yield url, log_path
         finally:
             stop(process)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL 8 s later (within `timeout -k 10`, which device scripts use)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=8)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def scrape(url: str) -> dict[str, float]:
