@@ -14,8 +14,8 @@ import asyncio
 import httpx
 import pytest
 
-from tests.soak_server import (DISCONNECT_KINDS, PARAMETER_KINDS, check_choice, parse_args, run_checks,
-                               started_server, strict_loads, table)
+from tests.soak_requests import DISCONNECT_KINDS, PARAMETER_KINDS, check_choice, strict_loads
+from tests.soak_server import parse_args, run_checks, started_server, table
 
 SOAK_REQUESTS = 800
 
