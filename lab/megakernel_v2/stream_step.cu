@@ -87,6 +87,7 @@ struct Params {
   int layers;              // layers run (the timing variants leave some out)
   int no_wait;             // 1: no dependency waits (wrong results; times the streams alone)
   long long* profile;      // null, or [tasks][3] ns: consumers' start, dependency met, end
+  int up_pairs, down_groups, o_groups;  // the drain's tile sizes
 };
 
 // counters: per layer block of kCtrPerLayer
@@ -254,16 +255,18 @@ __device__ __forceinline__ void split_pages(const Params& p, const Task& t, int&
 
 // The drain's tiles of a layer, in claim order: every slot's up tiles, every slot's down tiles, then o_proj. A down
 // tile waits only for its slot's up tiles, all claimed before it, so the claims cannot deadlock.
-constexpr int kUpPairs = 2, kDownGroups = 4, kOGroups = 1;
+// Tile sizes (Params): up pairs, down groups and o_proj groups a claim takes. Each size divides its total.
 struct DrainTile { int kind, slot, g0, groups; };  // kind 0 up, 1 down, 2 o_proj, -1 none left
-__device__ __forceinline__ int up_tiles_per_slot(bool dense) { return (dense ? DENSE_I : I) / 8 / kUpPairs; }
-__device__ DrainTile drain_tile(int idx, int n, bool dense) {
-  const int up_per = up_tiles_per_slot(dense), down_per = H / 8 / kDownGroups;
-  if (idx < n * up_per) return {0, idx / up_per, (idx % up_per) * kUpPairs, kUpPairs};
+__device__ __forceinline__ int up_tiles_per_slot(const Params& p, bool dense) {
+  return (dense ? DENSE_I : I) / 8 / p.up_pairs;
+}
+__device__ DrainTile drain_tile(const Params& p, int idx, int n, bool dense) {
+  const int up_per = up_tiles_per_slot(p, dense), down_per = H / 8 / p.down_groups;
+  if (idx < n * up_per) return {0, idx / up_per, (idx % up_per) * p.up_pairs, p.up_pairs};
   idx -= n * up_per;
-  if (idx < n * down_per) return {1, idx / down_per, (idx % down_per) * kDownGroups, kDownGroups};
+  if (idx < n * down_per) return {1, idx / down_per, (idx % down_per) * p.down_groups, p.down_groups};
   idx -= n * down_per;
-  if (idx < H / 8 / kOGroups) return {2, 0, idx * kOGroups, kOGroups};
+  if (idx < H / 8 / p.o_groups) return {2, 0, idx * p.o_groups, p.o_groups};
   return {-1, 0, 0, 0};
 }
 
@@ -293,7 +296,7 @@ __device__ void produce_drain(const Params& p, const Maps& maps, Smem& s, Stream
     const int k = st.k;
     mbar_wait(&s.empty[k], st.phase ^ 1, 2, k);
     const int idx = (int)atomicAdd(&p.counters[ctr(l, C_CLAIM)], 1u);
-    const DrainTile d = drain_tile(idx, n, dense);
+    const DrainTile d = drain_tile(p, idx, n, dense);
     s.stage_tile[k] = d.kind < 0 ? -1 : idx;
     if (d.kind < 0) {
       mbar_expect(&s.full[k], 0);
@@ -688,7 +691,7 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
       st.advance(s.stages);
       break;
     }
-    const DrainTile d = drain_tile(idx, n, dense);
+    const DrainTile d = drain_tile(p, idx, n, dense);
     const int slot_buf = dense ? MAX_SLOTS : d.slot, width = dense ? DENSE_I : I;
     if (d.kind == 0) {
       load_h(p, s, l);
@@ -702,7 +705,7 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
       consumer_sync();
       if (threadIdx.x == 32) atomicAdd(&p.counters[ctr(l, C_UP + d.slot)], 1u);
     } else if (d.kind == 1) {
-      spin_consumers(p, ctr(l, C_UP + d.slot), up_tiles_per_slot(dense));
+      spin_consumers(p, ctr(l, C_UP + d.slot), up_tiles_per_slot(p, dense));
       load_act(s, p.moe_act + (size_t)slot_buf * p.batch * DENSE_I, p.batch, width);
       const float* w = p.slot_w + ((size_t)l * MAX_SLOTS + d.slot) * p.batch;
       const int row0 = 8 * d.g0;
@@ -1160,7 +1163,7 @@ static double measure_copy(int sms, void* a, void* b) {  // read + written bytes
 // One (batch, context): its KV pool and tables, schedule and buffers; prints a check and the step's time.
 struct Config {
   int batch = 1, context = 8192, layers = LAYERS, no_wait = 0, round_robin = 0, min_pages = 8, profile = 0, router_first = 0;
-  int drain = 0, router_groups = 1;
+  int drain = 0, router_groups = 1, up_pairs = 2, down_groups = 4, o_groups = 1;
 };
 
 // One profiled step: per task type, the mean wait (start -> met) and work (met -> end) over layers 2..47, the SMs'
@@ -1262,6 +1265,7 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   p.tasks = d_tasks; p.task_start = d_start; p.batch = batch; p.context = context; p.embed = w.lm; p.norms = w.norms;
   p.tokens = d_tokens; p.block_tables = d_tables; p.max_pages = full_pages; p.lm_tasks = lm_tasks;
   p.layers = layers;
+  p.up_pairs = cfg.up_pairs; p.down_groups = cfg.down_groups; p.o_groups = cfg.o_groups;
   CK(cudaMalloc(&p.counters, n_ctr * 4)); CK(cudaMalloc(&p.x, x_bytes)); CK(cudaMalloc(&p.qkv, batch * QKV_ROWS * 2));
   CK(cudaMalloc(&p.router, batch * E * 4)); CK(cudaMalloc(&p.slots, LAYERS * (1 + MAX_SLOTS) * 4));
   CK(cudaMalloc(&p.slot_w, (size_t)LAYERS * MAX_SLOTS * batch * 4));
@@ -1339,6 +1343,8 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   char lay[64] = "";
   snprintf(lay, sizeof lay, "%s%s%s%s p%d r%d", layers != LAYERS ? " L" : "", cfg.round_robin ? " rr" : "",
            cfg.router_first ? " rf" : "", cfg.drain ? " drain" : "", cfg.min_pages, cfg.router_groups);
+  if (cfg.drain)
+    snprintf(lay + strlen(lay), sizeof lay - strlen(lay), " t%d/%d/%d", cfg.up_pairs, cfg.down_groups, cfg.o_groups);
   if (layers != LAYERS) snprintf(lay + strlen(lay), sizeof lay - strlen(lay), "=%d", layers);
   printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %d |\n", batch, lay,
          no_wait ? " no-wait" : "", context, ms,
@@ -1351,7 +1357,8 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
     CK(cudaFree(ptr));
 }
 
-// ./stream_step STEPS B:CONTEXT[:LAYERS[:NO_WAIT[:ROUND_ROBIN[:MIN_PAGES[:PROFILE[:ROUTER_FIRST[:DRAIN[:ROUTER_GROUPS]]]]]]]]] ...
+// ./stream_step STEPS B:CONTEXT[:LAYERS[:NO_WAIT[:ROUND_ROBIN[:MIN_PAGES[:PROFILE[:ROUTER_FIRST[:DRAIN[:ROUTER_GROUPS
+//                  [:UP_PAIRS[:DOWN_GROUPS[:O_GROUPS]]]]]]]]]]]] ...
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   CK(cudaHostAlloc(&g_hang_host, sizeof(HangRecord), cudaHostAllocMapped));
@@ -1370,8 +1377,9 @@ int main(int argc, char** argv) {
   printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int i = 2; i < argc; ++i) {
     Config c;
-    sscanf(argv[i], "%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", &c.batch, &c.context, &c.layers, &c.no_wait, &c.round_robin,
-           &c.min_pages, &c.profile, &c.router_first, &c.drain, &c.router_groups);
+    sscanf(argv[i], "%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", &c.batch, &c.context, &c.layers, &c.no_wait,
+           &c.round_robin, &c.min_pages, &c.profile, &c.router_first, &c.drain, &c.router_groups, &c.up_pairs,
+           &c.down_groups, &c.o_groups);
     run_config(sms, w, c, steps, bw);
   }
   return 0;
