@@ -27,6 +27,7 @@ from northcode.server.chat import build_prompt, chat_completions
 from northcode.server.completions import completions, prompt_ids_of
 from northcode.server.errors import RequestError, error_body
 from northcode.server.request_body import read_json
+from northcode.server.responses_api import ResponseStore, create_response, delete_response, get_response
 from northcode.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,8 @@ class GuardMiddleware:
             await _unexpected_response(scope, exc)(scope, receive, send_recording)
         finally:
             if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
-                self.state.metrics.count_request(path, status.get("code", 500))
+                endpoint = "/v1/responses/{id}" if path.startswith("/v1/responses/") else path  # one label, not one per id
+                self.state.metrics.count_request(endpoint, status.get("code", 500))
 
 
 def _has_key(scope, key: str) -> bool:
@@ -189,6 +191,9 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -196,5 +201,6 @@ def create_app(state: ServerState) -> Starlette:
     handlers = {RequestError: _on_request_error, HTTPException: _on_http_error, ClientDisconnect: _on_client_gone}
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.server = state
+    app.state.response_store = ResponseStore()  # /v1/responses kept for previous_response_id
     app.add_middleware(GuardMiddleware, state=state)
     return app
