@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from northcode.paths import model_display_name, synthetic_info
+from northcode.server.anthropic import anthropic_error, count_tokens, is_anthropic_path, messages
 from northcode.server.chat import build_prompt, chat_completions
 from northcode.server.completions import completions, prompt_ids_of
 from northcode.server.errors import RequestError, error_body
@@ -119,18 +120,20 @@ def _detokenize(tokenizer, body) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=False)
 
 
-def _error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+def _error_response(status: int, body: dict, headers: dict | None = None, path: str = "") -> JSONResponse:
+    if is_anthropic_path(path):  # Anthropic's clients read their own error shape
+        body = anthropic_error(status, body)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _on_request_error(request: Request, exc: RequestError) -> JSONResponse:
-    return _error_response(exc.status, exc.body(), exc.headers)
+    return _error_response(exc.status, exc.body(), exc.headers, request.url.path)
 
 
 async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error_response(exc.status_code, error_body(message, kind), getattr(exc, "headers", None))
+    return _error_response(exc.status_code, error_body(message, kind), getattr(exc, "headers", None), request.url.path)
 
 
 async def _on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
@@ -140,7 +143,7 @@ async def _on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
 
 def _unexpected_response(scope, exc: Exception) -> JSONResponse:
     log.exception("unexpected error in %s %s", scope.get("method"), scope["path"])
-    return _error_response(500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+    return _error_response(500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), path=scope["path"])
 
 
 class GuardMiddleware:
@@ -156,9 +159,10 @@ class GuardMiddleware:
         path = scope["path"]
         key = self.state.options.api_key
         if key and path not in OPEN_PATHS and not _has_key(scope, key):
-            body = RequestError("missing or wrong API key: send Authorization: Bearer <key>", status=401, code="invalid_api_key")
+            body = RequestError("missing or wrong API key: send Authorization: Bearer <key> (or x-api-key: <key>)", status=401,
+                                code="invalid_api_key")
             self.state.metrics.count_request(path, 401)
-            return await _error_response(401, body.body(), {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return await _error_response(401, body.body(), {"WWW-Authenticate": "Bearer"}, path)(scope, receive, send)
         status = {}
 
         async def send_recording(message) -> None:
@@ -191,6 +195,8 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
