@@ -137,6 +137,17 @@ def test_cut_off_stream_golden(tiny_checkpoint, tok):
     assert shape(events)[-3].startswith("stop:")  # the open block is closed before message_delta
 
 
+def test_call_cut_off_inside_its_arguments_sends_no_json(tiny_checkpoint, tok):
+    script = encode_script(tok, *TOOL_SCRIPT)
+    cut = len(encode_script(tok, *TOOL_SCRIPT[:3])) + len(tok.encode('[\n    {"tool_call_id": "0", "tool_name": "read", "parameters": {"pa'))
+    client, _ = scripted(tiny_checkpoint, tok, *TOOL_SCRIPT)
+    events = events_of(client.post("/v1/messages", json=body(stream=True, tools=[READ_TOOL], max_tokens=cut)))
+    assert shape(events)[-5:] == ["stop:0", "start:1:tool_use", "stop:1", "message_delta:max_tokens", "message_stop"]
+    assert cut < len(script)
+    message = client.post("/v1/messages", json=body(tools=[READ_TOOL], max_tokens=cut)).json()
+    assert message["content"][1]["input"] == {} and message["stop_reason"] == "max_tokens"
+
+
 def test_thinking_off_streams_text_only(tiny_checkpoint, tok):
     client, engine = scripted(tiny_checkpoint, tok, "START_TEXT", "Plain.", "END_TEXT", "END_OF_TURN_TOKEN")
     events = events_of(client.post("/v1/messages", json=body(stream=True, thinking={"type": "disabled"})))

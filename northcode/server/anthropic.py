@@ -335,7 +335,12 @@ def stop_reason_of(final: RequestOutput, parser: OutputParser) -> tuple[str, str
 
 
 class ContentBlocks:
-    """Turns OutputParser deltas into Anthropic content blocks: the stream events, and the blocks whole."""
+    """Turns OutputParser deltas into Anthropic content blocks: the stream events, and the blocks whole.
+
+    Thinking and text stream as they come. A tool call's arguments are held until its block closes and
+    then sent as one input_json_delta, only if they are a JSON object: the SDKs parse every partial_json
+    and raise on JSON that cannot be completed, so a cut-off or malformed call keeps its empty input.
+    """
 
     def __init__(self) -> None:
         self.blocks: list[dict] = []
@@ -362,6 +367,10 @@ class ContentBlocks:
         if self._open == "thinking":
             self.blocks[index]["signature"] = THINKING_SIGNATURE
             events.append(_delta(index, {"type": "signature_delta", "signature": THINKING_SIGNATURE}))
+        elif self._open == "tool_use":
+            text = self._arguments[next(reversed(self._arguments))]
+            if _parsed_input(text) or text.strip() == "{}":  # broken JSON is never sent: SDKs fail on it
+                events.append(_delta(index, {"type": "input_json_delta", "partial_json": text}))
         self._open = None
         return events + [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
@@ -386,9 +395,7 @@ class ContentBlocks:
         else:
             assert self._open == "tool_use", "a call's arguments follow its name"
             events = []
-        if fragment:
-            self._arguments[call["index"]] += fragment
-            events.append(_delta(len(self.blocks) - 1, {"type": "input_json_delta", "partial_json": fragment}))
+        self._arguments[call["index"]] += fragment  # sent whole, once checked, when the block closes
         return events
 
     def whole(self) -> list[dict]:
