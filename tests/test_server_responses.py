@@ -235,3 +235,34 @@ def test_body_errors_are_4xx(text_client):
     too_long = client.post("/v1/responses", json={"input": "word " * 5000})
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     assert too_long.json()["error"]["param"] == "input"
+
+
+def codex_body(input_items: list[dict]) -> dict:
+    """A request as Codex CLI 0.171 sends it (recorded against `northcode serve`), cut down."""
+    return {"model": "north-mini-code", "stream": True, "store": False, "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "session-1",
+            "client_metadata": {"turn_id": "t1"},
+            "tools": [{"type": "function", "name": "exec_command", "description": "Run a command", "strict": False,
+                       "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}},
+                      {"type": "namespace", "name": "files", "description": "File tools", "tools": FUNCTION_TOOLS},
+                      {"type": "web_search", "external_web_access": False}],
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Read README.md"}]},
+                      *input_items]}
+
+
+def test_codex_tool_round_trip_extends_the_cached_prompt(tiny_checkpoint, tok):
+    """Codex replays the reasoning and the call as it got them, with the call's output: the second prompt
+    is the first one followed by the tokens the model wrote, so the prefix cache serves all of it."""
+    client, engine, _ = make_client(tiny_checkpoint, encode_script(tok, *TOOL_SCRIPT))
+    events = stream_events(client.post("/v1/responses", json=codex_body([])))
+    output = events[-1]["response"]["output"]
+    call = output[-1]
+    assert call["type"] == "function_call" and call["name"] == "read" and call["namespace"] == "files"
+    assert next(e for e in events if e["type"] == "response.output_item.added" and e["output_index"] == 1)["item"]["namespace"] == "files"
+    assert [t["type"] for t in events[-1]["response"]["tools"]] == ["function", "namespace"]
+    replayed = [dict(output[0], encrypted_content=None), call,
+                {"type": "function_call_output", "id": "fco_1", "call_id": call["call_id"], "output": "# northcode"}]
+    stream_events(client.post("/v1/responses", json=codex_body(replayed)))
+    (first, _), (second, _) = engine.seen
+    assert second[:len(first) + len(engine.script)] == first + engine.script

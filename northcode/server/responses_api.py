@@ -28,7 +28,7 @@ from northcode.server.generation import EngineRun, engine_error
 from northcode.server.output_parser import OutputParser
 from northcode.server.request_body import read_json
 from northcode.server.responses import sse
-from northcode.server.responses_input import chat_body, function_tools, in_responses_terms, input_items
+from northcode.server.responses_input import chat_body, echoed_tools, in_responses_terms, input_items, tool_namespaces
 
 MAX_STORED_RESPONSES = 256
 MAX_STORED_BYTES = 64 << 20  # the JSON of the stored conversations, together
@@ -137,7 +137,8 @@ class OutputItems:
     """The parser's deltas -> output items in the order the model wrote them, and their stream events
     (type, data without sequence_number). An item stays open until another kind of output begins."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespaces: dict[str, str]) -> None:
+        self._namespaces = namespaces  # function name -> its namespace, which its calls carry
         self.items: list[dict] = []
         self._open: dict | None = None
         self._calls: dict[int, dict] = {}  # the parser's tool_calls index -> its function_call item
@@ -150,9 +151,13 @@ class OutputItems:
             self._add_text("message", delta["content"])
         for call in delta.get("tool_calls", []):
             if "id" in call:
-                self._open_item({"id": _item_id("fc"), "type": "function_call", "status": "in_progress",
-                                 "call_id": call["id"], "name": call["function"]["name"], "arguments": ""})
-                self._calls[call["index"]] = self._open
+                name = call["function"]["name"]
+                item = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
+                        "name": name, "arguments": ""}
+                if name in self._namespaces:
+                    item["namespace"] = self._namespaces[name]
+                self._open_item(item)
+                self._calls[call["index"]] = item
             item = self._calls[call["index"]]
             if call["function"]["arguments"]:
                 item["arguments"] += call["function"]["arguments"]
@@ -221,7 +226,7 @@ class ResponseTurn:
                  store: ResponseStore) -> None:
         self.state, self.run, self.parser, self.body, self.store = state, run, parser, body, store
         self.conversation = [item for _, item in items]
-        self.output = OutputItems()
+        self.output = OutputItems(tool_namespaces(body.get("tools")))
         self.created_at = int(time.time())
 
     def response(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
@@ -237,7 +242,7 @@ class ResponseTurn:
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "store": body.get("store") is not False, "temperature": body.get("temperature"),
             "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice") or "auto",
-            "tools": function_tools(body.get("tools")), "top_p": body.get("top_p"), "truncation": "disabled",
+            "tools": echoed_tools(body.get("tools")), "top_p": body.get("top_p"), "truncation": "disabled",
             "usage": usage, "user": body.get("user"), "metadata": body.get("metadata") or {},
         }
 

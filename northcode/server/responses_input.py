@@ -11,6 +11,7 @@ the model can only call functions. Nothing here touches the engine or the tokeni
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -139,27 +140,49 @@ def _reasoning_text(item: dict, param: str) -> str:
 
 
 def chat_tools(tools) -> tuple[list[dict] | None, list[str]]:
-    """Function tools in the chat shape, and the `tools[i]` each came from; other tool types are left out."""
+    """Function tools in the chat shape (those of a namespace too), and the `tools[i]` each came from."""
     if tools is None:
         return None, []
     if not isinstance(tools, list):
         raise RequestError("tools must be an array", "tools")
     out, sources = [], []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise RequestError(f"tools[{i}] must be an object", f"tools[{i}]")
-        if tool.get("type") != "function":
-            log.warning("tools[%d] has type %r: left out (the model can only call functions)", i, tool.get("type"))
-            continue
+    for source, tool, _ in _functions(tools):
         fn = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
         out.append({"type": "function", "function": fn})
-        sources.append(f"tools[{i}]")
+        sources.append(source)
     return out or None, sources
 
 
-def function_tools(tools) -> list[dict]:
-    """The function tools of a request, as the response echoes them."""
-    return [t for t in tools or [] if isinstance(t, dict) and t.get("type") == "function"]
+def tool_namespaces(tools) -> dict[str, str]:
+    """The namespace of each function that has one (its calls name it), by the function's name."""
+    return {tool.get("name"): namespace for _, tool, namespace in _functions(tools or []) if namespace}
+
+
+def echoed_tools(tools) -> list[dict]:
+    """The tools of a request that the model was shown, as the response echoes them."""
+    return [t for t in tools or [] if isinstance(t, dict) and t.get("type") in ("function", "namespace")]
+
+
+def _functions(tools: list):
+    """(where it came from, the function tool, its namespace or None) for each function a request offers."""
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise RequestError(f"tools[{i}] must be an object", f"tools[{i}]")
+        kind = tool.get("type")
+        if kind == "function":
+            yield f"tools[{i}]", tool, None
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            for j, inner in enumerate(tool["tools"]):
+                if isinstance(inner, dict) and inner.get("type") == "function":
+                    yield f"tools[{i}].tools[{j}]", inner, tool.get("name")
+        else:
+            _left_out(kind)
+
+
+@functools.lru_cache(maxsize=64)
+def _left_out(kind) -> None:
+    """Said once per tool type a server run meets."""
+    log.warning("tools of type %r are left out of the prompt: the model can only call functions", kind)
 
 
 def _tool_choice(choice):
