@@ -1,7 +1,7 @@
 """EngineSettings: how the engine runs a model (batch, pages, chunks, memory, device), validated once.
 
-The model's math lives in config.py (ModelConfig); this file holds only the knobs a user or a
-benchmark may turn. Every field a user can set is checked in `__post_init__` with a ValueError that
+The model's math lives in config.py (ModelConfig); this file holds only what a user or a
+benchmark may set. Every field a user can set is checked in `__post_init__` with a ValueError that
 names it. Derived values that need the model or the device (the page count, the context length)
 are computed by the engine at start-up, never written back here. `cpu_threads` takes OMP_NUM_THREADS
 (config.env_cpu_threads) when no setting names the thread count.
