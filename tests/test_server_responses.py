@@ -15,6 +15,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from test_server import TEXT_SCRIPT, TOOL_SCRIPT, TOOLS, encode_script, make_client, tok  # noqa: F401 (tok: a fixture)
 
+from northcode.engine.request import RequestOutput, Usage
 from northcode.server.responses_api import ResponseStore
 
 EVENT = TypeAdapter(ResponseStreamEvent)
@@ -266,3 +267,28 @@ def test_codex_tool_round_trip_extends_the_cached_prompt(tiny_checkpoint, tok):
     stream_events(client.post("/v1/responses", json=codex_body(replayed)))
     (first, _), (second, _) = engine.seen
     assert second[:len(first) + len(engine.script)] == first + engine.script
+
+
+def test_an_engine_error_mid_stream_is_response_failed(tiny_checkpoint, tok):
+    client, engine, _ = make_client(tiny_checkpoint, encode_script(tok, *TEXT_SCRIPT))
+
+    async def failing(request_id, prompt_ids, sampling):
+        yield RequestOutput(request_id, engine.script[:3], "", finished=False, usage=Usage(len(prompt_ids), 3, 0))
+        yield RequestOutput(request_id, [], "", finished=True, finish_reason="error", error="device lost",
+                            usage=Usage(len(prompt_ids), 3, 0))
+
+    engine.generate = failing
+    events = stream_events(post(client, stream=True))
+    assert events[-1]["type"] == "response.failed"
+    response = Response.model_validate(events[-1]["response"])
+    assert response.status == "failed" and response.error.code == "server_error" and "device lost" in response.error.message
+    assert events[-2]["type"] == "response.output_item.done" and events[-2]["item"]["status"] == "incomplete"
+    plain = post(client)
+    assert plain.status_code == 500 and "device lost" in plain.json()["error"]["message"]
+
+
+def test_empty_input_names_input(text_client):
+    client, _, _ = text_client
+    response = client.post("/v1/responses", json={"model": "x", "input": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+    assert "messages" not in response.json()["error"]["message"]

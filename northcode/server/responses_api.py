@@ -175,10 +175,12 @@ class OutputItems:
     def _add_text(self, kind: str, text: str) -> None:
         if self._open is None or self._open["type"] != kind:
             if kind == "reasoning":
-                self._open_item({"id": _item_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"})
+                self._open_item({"id": _item_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                                 "status": "in_progress"})
                 part = {"type": "reasoning_text", "text": ""}
             else:
-                self._open_item({"id": _item_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []})
+                self._open_item({"id": _item_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                                 "content": []})
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self._emit("response.content_part.added", self._open, content_index=0, part=part)
             self._open["content"].append(dict(part))
@@ -193,7 +195,8 @@ class OutputItems:
             self._close("completed")
         self._open = item
         self.items.append(item)
-        self._events.append(("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item, content=[]) if "content" in item else dict(item)}))
+        added = dict(item, content=[]) if "content" in item else dict(item)  # as it is now: its content comes later
+        self._events.append(("response.output_item.added", {"output_index": len(self.items) - 1, "item": added}))
 
     def _close(self, status: str) -> None:
         item, self._open = self._open, None
@@ -280,12 +283,14 @@ class ResponseTurn:
             error = engine_error(self.state, final)
             for kind, data in self.output.take():
                 yield event(kind, data)
-            yield event("response.failed", {"response": self.response("failed", error={"code": "server_error", "message": error.message})})
+            failed = self.response("failed", error={"code": "server_error", "message": error.message})
+            yield event("response.failed", {"response": failed})
             return
         response = self._finished(final)
         for kind, data in self.output.take():
             yield event(kind, data)
-        yield event("response.incomplete" if response["status"] == "incomplete" else "response.completed", {"response": response})
+        last = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        yield event(last, {"response": response})
 
     def _add(self, deltas: list[dict]) -> None:
         for delta in deltas:

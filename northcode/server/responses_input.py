@@ -62,6 +62,7 @@ def in_responses_terms(err: RequestError, sources: dict[str, list[str]]) -> Requ
     """A chat validation error named in the fields of the Responses request."""
     def rename(text: str) -> str:
         text = re.sub(r"messages\[(\d+)\]", lambda m: sources["messages"][int(m[1])], text)
+        text = re.sub(r"\bmessages\b", "input", text)
         text = re.sub(r"tools\[(\d+)\]\.function", lambda m: sources["tools"][int(m[1])], text)
         for old, new in _RENAMED.items():
             text = re.sub(rf"\b{re.escape(old)}\b", new, text)
