@@ -1,7 +1,7 @@
 """`northcode serve` (the real command) whose engine's decode step hangs for good from its third one, on the CPU.
 
 Run as `python -m tests.server_with_hanging_engine SERVE-OPTIONS` from the repository root (the fatal-error
-test in test_server_openai.py). Engine.from_model_dir is replaced so the engine it builds has a backend
+test in test_server_openai.py). runtime.load_engine is replaced so the engine it builds has a backend
 whose decode step (decode_logits: pipelined or not, the engine runs the model there) blocks forever once
 HANG_AT steps were made (the step thread really stalls, as on a lost GPU), and a watchdog with short
 limits: the step is given up after STEP_TIMEOUT_S, the device is declared lost HANG_GRACE_S later, and
@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from northcode import runtime
 from northcode.cli import main
 from northcode.engine.engine import Engine
 from northcode.model.checkpoint import load_checkpoint
@@ -44,13 +45,13 @@ def hanging_backend(config, weights, settings, num_pages, max_pages_per_seq):
                           cuda_graphs=False)
 
 
-def from_model_dir(cls, model_dir, settings=None, progress=None):
+def load_engine(model_dir, settings=None, progress=None):
     settings = dataclasses.replace(settings, step_timeout_s=STEP_TIMEOUT_S, hang_grace_s=HANG_GRACE_S)
     config, weights = load_checkpoint(model_dir, device=torch.device("cpu"), dtype=torch.float32, progress=progress)
-    return cls(config, weights, Tokenizer.from_dir(model_dir), settings, model_name=model_display_name(model_dir),
-               backend_factory=hanging_backend)
+    return Engine(config, weights, Tokenizer.from_dir(model_dir), settings, model_name=model_display_name(model_dir),
+                  backend_factory=hanging_backend)
 
 
 if __name__ == "__main__":
-    Engine.from_model_dir = classmethod(from_model_dir)
+    runtime.load_engine = load_engine
     sys.exit(main(["serve", *sys.argv[1:]]))

@@ -114,14 +114,6 @@ class Engine:
         backend.warm_up()
         return backend
 
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path, settings: EngineSettings | None = None,
-                       progress: Callable[[int, int], None] | None = None) -> Engine:
-        """runtime.load_engine, under the name northcode/server/state.py calls (see docs/architecture.md)."""
-        from northcode.runtime import load_engine  # above the engine: it chooses the backend
-
-        return load_engine(model_dir, settings, progress)
-
     # --- the API (any thread) ---
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

@@ -91,9 +91,9 @@ class ServerState:
     def _load(self, model_dir: Path, settings) -> None:
         try:
             self.phase = "importing the engine"
-            from northcode.engine.engine import Engine
+            from northcode import runtime
 
-            engine = Engine.from_model_dir(model_dir, settings, progress=self._on_progress)
+            engine = runtime.load_engine(model_dir, settings, progress=self._on_progress)
             self.attach(engine, model_dir)
         except ValueError as err:  # a bad checkpoint or setting: the message names it, no traceback
             self._fail(str(err))
