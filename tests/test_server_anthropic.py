@@ -249,6 +249,16 @@ def test_the_same_conversation_renders_the_same_ids_on_both_apis(tiny_checkpoint
     assert counted == {"input_tokens": tokenized["count"]} and tokenized["tokens"] == engine.seen[1][0]
 
 
+def test_a_system_turn_inside_messages_renders_in_place(tiny_checkpoint, tok):
+    """Claude Code sends system turns among the messages (a string or text blocks): the chat path renders them in place."""
+    client, engine = scripted(tiny_checkpoint, tok, *TEXT_SCRIPT)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "Agents: none."}]}
+    client.post("/v1/chat/completions", json=chat)
+    for content in ("Agents: none.", [{"type": "text", "text": "Agents: "}, {"type": "text", "text": "none."}]):
+        client.post("/v1/messages", json=body(messages=[{"role": "user", "content": "hi"}, {"role": "system", "content": content}]))
+    assert engine.seen[0][0] == engine.seen[1][0] == engine.seen[2][0]
+
+
 def test_forced_tool_choice_matches_chat_completions(tiny_checkpoint, tok):
     client, engine = scripted(tiny_checkpoint, tok, '{"path": "x"}}\n]', "END_ACTION", "END_OF_TURN_TOKEN")
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
@@ -270,7 +280,7 @@ BAD_BODIES = [
     (body(max_tokens=True), "max_tokens"),
     (body(messages=[]), "messages"),
     (body(messages="hi"), "messages"),
-    (body(messages=[{"role": "system", "content": "hi"}]), "role"),
+    (body(messages=[{"role": "tool", "content": "hi"}]), "role"),
     (body(messages=[{"role": "user", "content": 5}]), "content"),
     (body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "image"),
     (body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]), "tool_use_id"),

@@ -133,15 +133,17 @@ def _messages(messages: list) -> list[dict]:
     out, tool_ids = [], set()
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise RequestError(f"{param}.role must be user or assistant", f"{param}.role")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise RequestError(f"{param}.role must be user, assistant or system", f"{param}.role")
         content = message.get("content")
         if isinstance(content, str):
             out.append({"role": message["role"], "content": content})
             continue
         if not isinstance(content, list):
             raise RequestError(f"{param}.content must be a string or an array of content blocks", f"{param}.content")
-        if message["role"] == "assistant":
+        if message["role"] == "system":  # a system turn in the conversation (Claude Code sends them): rendered in place
+            out.append({"role": "system", "content": _text_of(content, f"{param}.content")})
+        elif message["role"] == "assistant":
             out.append(_assistant(content, f"{param}.content", tool_ids))
         else:
             out += _user(content, f"{param}.content", tool_ids)
