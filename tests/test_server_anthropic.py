@@ -345,7 +345,8 @@ def test_busy_and_context_overflow(tiny_checkpoint, tok):
     engine = ScriptedEngine(tiny_checkpoint, encode_script(tok, *TEXT_SCRIPT), max_model_len=1024)
     client = client_for(tiny_checkpoint, engine, max_batch=1, max_queue=0)
     reply = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": "word " * 3000}]))
-    assert reply.status_code == 400 and "maximum context length" in reply.json()["error"]["message"]
+    assert reply.status_code == 400 and reply.json()["error"]["message"].startswith("prompt is too long: ")
+    assert "maximum context length" in reply.json()["error"]["message"]
     client.app.state.server.admit()  # the one slot is taken
     reply = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": "x"}]))
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "overloaded_error" and reply.headers["retry-after"]

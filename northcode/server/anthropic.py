@@ -42,7 +42,10 @@ def anthropic_error(status: int, body: dict) -> dict:
     kind = _ERROR_TYPES.get(status)
     if kind is None:
         kind = "overloaded_error" if status == 503 and error.get("code") in _OVERLOAD_CODES else "api_error"
-    return {"type": "error", "error": {"type": kind, "message": error.get("message", "")}}
+    message = error.get("message", "")
+    if error.get("code") == "context_length_exceeded":  # Anthropic's words, which Claude Code reads to compact
+        message = f"prompt is too long: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # --- routes ---
