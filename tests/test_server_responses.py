@@ -217,6 +217,8 @@ def test_the_store_is_bounded():
     ({"temperature": "hot"}, "temperature"),
     ({"background": True}, "background"),
     ({"previous_response_id": 7}, "previous_response_id"),
+    ({"store": "yes"}, "store"),
+    ({"stream": "yes"}, "stream"),
 ])
 def test_bad_input_is_a_400_naming_the_field(text_client, body, param):
     client, engine, _ = text_client

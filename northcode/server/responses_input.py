@@ -40,6 +40,8 @@ def chat_body(body: dict, items: list[tuple[str, dict]]) -> tuple[dict, dict[str
     for name, what in UNSUPPORTED.items():
         if body.get(name):
             raise RequestError(f"{name}: {what} are not supported by this server", name)
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise RequestError("store must be a boolean", "store")
     messages, sources = [], []
     instructions = body.get("instructions")
     if instructions is not None:
