@@ -350,3 +350,47 @@ def test_busy_and_context_overflow(tiny_checkpoint, tok):
     client.app.state.server.admit()  # the one slot is taken
     reply = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": "x"}]))
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "overloaded_error" and reply.headers["retry-after"]
+
+
+# --- a Claude Code-shaped round trip (the request shape claude -p 2.1.197 sent) ---
+
+
+CLAUDE_CODE_CALL = ("I will run it.", "END_THINKING", "START_ACTION",
+                    '[\n    {"tool_call_id": "0", "tool_name": "Bash", "parameters": {"command": "echo hi", "description": "Greet"}}\n]',
+                    "END_ACTION", "END_OF_TURN_TOKEN")  # written as the template writes a past call: the next prompt repeats it
+BASH_TOOL = {"name": "Bash", "description": "Executes a bash command.",
+             "input_schema": {"type": "object", "properties": {"command": {"type": "string"}, "description": {"type": "string"}},
+                              "required": ["command"], "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"}}
+
+
+def claude_code_body(messages: list[dict]) -> dict:
+    return {"model": "claude-sonnet-4-5", "max_tokens": 32000, "stream": True, "messages": messages, "tools": [BASH_TOOL],
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197;"},
+                       {"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": '{"device_id": "d", "session_id": "s"}'}}
+
+
+def test_a_claude_code_round_trip_reads_its_first_turn_from_the_prefix(tiny_checkpoint, tok):
+    client, engine = scripted(tiny_checkpoint, tok, *CLAUDE_CODE_CALL)
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
+               "x-api-key": "unused"}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>\nToday is a day.\n</system-reminder>\n\n"},
+                                             {"type": "text", "text": "run echo", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "system", "content": "Available agent types: none."}]
+    first = events_of(client.post("/v1/messages", json=claude_code_body(messages), headers=headers))
+    call = next(d["content_block"] for n, d in first if n == "content_block_start" and d["content_block"]["type"] == "tool_use")
+    assert json.loads(joined(first, 1, "partial_json")) == {"command": "echo hi", "description": "Greet"}
+    messages += [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": joined(first, 0, "thinking"), "signature": "northcode"},
+                                          {"type": "tool_use", "id": call["id"], "name": "Bash",
+                                           "input": {"command": "echo hi", "description": "Greet"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "hi", "is_error": False,
+                                      "cache_control": {"type": "ephemeral"}}]},
+    ]
+    second = client.post("/v1/messages", json=claude_code_body(messages), headers=headers)
+    assert second.status_code == 200 and events_of(second)[-2][1]["delta"]["stop_reason"] == "tool_use"
+    (first_prompt, _), (second_prompt, _) = engine.seen
+    generated = encode_script(tok, *CLAUDE_CODE_CALL)
+    assert second_prompt[: len(first_prompt) + len(generated)] == first_prompt + generated  # a whole-prefix cache hit
