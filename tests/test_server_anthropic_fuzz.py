@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
-from test_server import TOOL_SCRIPT, encode_script
-from test_server_bad_input import NonFiniteLogprobEngine, strict_loads
-from test_server_fuzz import FUZZ, json_values, mutated, text
+from test_server_bad_input import strict_loads
+from test_server_fuzz import FUZZ, json_values, mutated, served, text  # noqa: F401 (served: the fixture, shared)
 
-from northcode.server.app import create_app
-from northcode.server.state import ServerOptions, ServerState
+from northcode.server.state import ServerState
 
 text_block = st.fixed_dictionaries({"type": st.just("text"), "text": text},
                                    optional={"cache_control": st.just({"type": "ephemeral"})})
@@ -56,16 +53,6 @@ messages_body = st.fixed_dictionaries({"model": text, "max_tokens": st.integers(
     "system": blocks_or_text, "tools": st.lists(tool, max_size=2), "tool_choice": tool_choice, "thinking": thinking,
     "stop_sequences": st.lists(text, max_size=2), "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1),
     "top_k": st.integers(0, 50), "metadata": st.fixed_dictionaries({}, optional={"user_id": text}), "stream": st.booleans()})
-
-
-@pytest.fixture(scope="module")
-def served(tiny_checkpoint):
-    from northcode.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(tiny_checkpoint)
-    engine = NonFiniteLogprobEngine(tiny_checkpoint, encode_script(tok, *TOOL_SCRIPT))
-    state = ServerState(ServerOptions(max_batch=2, max_queue=2), engine=engine)
-    return TestClient(create_app(state), raise_server_exceptions=False), state
 
 
 def check_response(client: TestClient, state: ServerState, path: str, raw: str) -> None:
