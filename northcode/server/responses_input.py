@@ -172,6 +172,8 @@ def _functions(tools: list):
         if not isinstance(tool, dict):
             raise RequestError(f"tools[{i}] must be an object", f"tools[{i}]")
         kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise RequestError(f"tools[{i}].type must be a string (function, namespace, ...)", f"tools[{i}].type")
         if kind == "function":
             yield f"tools[{i}]", tool, None
         elif kind == "namespace" and isinstance(tool.get("tools"), list):
@@ -183,7 +185,7 @@ def _functions(tools: list):
 
 
 @functools.lru_cache(maxsize=64)
-def _left_out(kind) -> None:
+def _left_out(kind: str) -> None:
     """Said once per tool type a server run meets."""
     log.warning("tools of type %r are left out of the prompt: the model can only call functions", kind)
 
