@@ -40,7 +40,8 @@ function_tool = st.fixed_dictionaries({"type": st.just("function"), "name": st.s
 tools = st.lists(function_tool | st.fixed_dictionaries({"type": st.just("namespace"), "name": text,
                                                         "tools": st.lists(function_tool, max_size=2)})
                  | st.fixed_dictionaries({"type": st.sampled_from(["web_search", "custom", "local_shell"])}), max_size=3)
-text_formats = st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": {"type": "object"}}])
+text_formats = st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                {"type": "json_schema", "name": "x", "schema": {"type": "object"}}])
 responses_without_previous = st.fixed_dictionaries({"input": text | st.lists(item, max_size=5), "stream": st.booleans()},
                                                    optional={
     "model": text, "instructions": text, "tools": tools, "parallel_tool_calls": st.booleans(),
