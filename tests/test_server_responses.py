@@ -190,9 +190,9 @@ def test_previous_response_id_continues_the_stored_conversation(text_client):
 def test_the_store_is_bounded():
     store = ResponseStore(max_responses=2, max_bytes=1000)
     for i in range(3):
-        store.put({"id": f"r{i}"}, [])
+        store.put({"id": f"r{i}"}, [], ResponseStore.stored_size({"id": f"r{i}"}, []))
     assert store.get("r0") is None and store.get("r1") is not None and store.get("r2") is not None
-    store.put({"id": "big"}, [{"text": "x" * 2000}])  # over the byte bound alone: it stays, the others go
+    store.put({"id": "big"}, [], 2000)  # over the byte bound alone: it stays, the others go
     assert store.get("r1") is None and store.get("r2") is None and store.get("big") is not None
 
 

@@ -42,12 +42,17 @@ class ResponseStore:
         self._records: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()  # id -> (response, items, bytes)
         self._max_responses, self._max_bytes, self._bytes = max_responses, max_bytes, 0
 
-    def put(self, response: dict, items: list[dict]) -> None:
-        size = len(json.dumps([response, items], ensure_ascii=False))
+    def put(self, response: dict, items: list[dict], size: int) -> None:
+        """Keep `response` and the conversation it ends; `size` is stored_size(response, items)."""
         self._records[response["id"]] = (response, items, size)
         self._bytes += size
         while len(self._records) > self._max_responses or (self._bytes > self._max_bytes and len(self._records) > 1):
             self._bytes -= self._records.popitem(last=False)[1][2]
+
+    @staticmethod
+    def stored_size(response: dict, items: list[dict]) -> int:
+        """The bytes a record counts for; it grows with the conversation: call it in a worker thread."""
+        return len(json.dumps([response, items], ensure_ascii=False))
 
     def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
         record = self._records.get(response_id)
@@ -258,7 +263,7 @@ class ResponseTurn:
         self._add(self.parser.finish())
         if final.finish_reason == "error":
             raise engine_error(self.state, final)
-        return self._finished(final)
+        return await self._finished(final)
 
     async def stream(self):
         sequence_number = 0
@@ -286,7 +291,7 @@ class ResponseTurn:
             failed = self.response("failed", error={"code": "server_error", "message": error.message})
             yield event("response.failed", {"response": failed})
             return
-        response = self._finished(final)
+        response = await self._finished(final)
         for kind, data in self.output.take():
             yield event(kind, data)
         last = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
@@ -296,12 +301,13 @@ class ResponseTurn:
         for delta in deltas:
             self.output.add(delta)
 
-    def _finished(self, final) -> dict:
+    async def _finished(self, final) -> dict:
         """The finished response (its items closed, metrics recorded, stored unless store is false)."""
         status = "incomplete" if final.finish_reason == "length" else "completed"
         self.output.finish(status)
         self.state.metrics.record_finished(final)
         response = self.response(status, response_usage(final.usage, self.parser.reasoning_tokens))
         if self.body.get("store") is not False:
-            self.store.put(response, self.conversation + self.output.items)
+            items = self.conversation + self.output.items
+            self.store.put(response, items, await run_in_threadpool(ResponseStore.stored_size, response, items))
         return response
