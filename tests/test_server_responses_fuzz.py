@@ -9,16 +9,10 @@ strict JSON ending in a terminal event, /health still answers 200, and no admiss
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from starlette.testclient import TestClient
-from test_server import TOOL_SCRIPT, ScriptedEngine, encode_script
 from test_server_bad_input import assert_openai_error, strict_loads
-from test_server_fuzz import FUZZ, json_values, mutated, schema, text
-
-from northcode.server.app import create_app
-from northcode.server.state import ServerOptions, ServerState
+from test_server_fuzz import FUZZ, json_values, mutated, schema, served, text  # noqa: F401 (served: a fixture)
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
@@ -53,15 +47,6 @@ responses_without_previous = st.fixed_dictionaries({"input": text | st.lists(ite
     "store": st.booleans(), "include": json_values, "metadata": json_values, "prompt_cache_key": text})
 responses_body = st.tuples(responses_without_previous, st.sampled_from([False] * 7 + [True])).map(  # 1 in 8: an unknown
     lambda drawn: {**drawn[0], "previous_response_id": "resp-gone"} if drawn[1] else drawn[0])  # previous_response_id
-
-
-@pytest.fixture(scope="module")
-def served(tiny_checkpoint):
-    from northcode.model.tokenizer import Tokenizer
-
-    engine = ScriptedEngine(tiny_checkpoint, encode_script(Tokenizer.from_dir(tiny_checkpoint), *TOOL_SCRIPT))
-    state = ServerState(ServerOptions(max_batch=2, max_queue=2), engine=engine)
-    return TestClient(create_app(state), raise_server_exceptions=False), state
 
 
 def stream_types(body: str) -> list[str]:
