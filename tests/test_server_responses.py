@@ -294,3 +294,18 @@ def test_empty_input_names_input(text_client):
     response = client.post("/v1/responses", json={"model": "x", "input": []})
     assert response.status_code == 400 and response.json()["error"]["param"] == "input"
     assert "messages" not in response.json()["error"]["message"]
+
+
+def test_previous_response_id_with_a_call_takes_its_output(tiny_checkpoint, tok):
+    client, engine, state = make_client(tiny_checkpoint, encode_script(tok, *TOOL_SCRIPT))
+    first = post(client, tools=FUNCTION_TOOLS).json()
+    call = first["output"][-1]
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "# northcode"}
+    second = post(client, tools=FUNCTION_TOOLS, previous_response_id=first["id"], input=[output])
+    assert second.status_code == 200, second.text
+    (first_ids, _), (second_ids, _) = engine.seen
+    assert second_ids[:len(first_ids) + len(engine.script)] == first_ids + engine.script
+    for _ in range(2):
+        client.get(f"/v1/responses/{first['id']}")
+    metrics = client.get("/metrics").text
+    assert 'endpoint="/v1/responses/{id}"' in metrics and first["id"] not in metrics
