@@ -278,3 +278,17 @@ def test_stop_token_ids_one_token_prompts_and_the_context_limit(engine, referenc
     near_end = prompt_of(engine.max_model_len - 3, salt=17)
     capped = run(engine, [(near_end, greedy(100))])[0]
     assert len(tokens_of(capped)) == 3 and capped[-1].finish_reason == "length"
+
+
+def test_min_tokens_bans_the_stop_tokens_until_it_is_reached(engine):
+    """vLLM's rule: below min_tokens neither the model's EOS nor a stop token id is drawn, so the request goes on."""
+    prompt = prompt_of(6, salt=18)
+    free = tokens_of(run(engine, [(prompt, greedy(12))])[0])
+    stop_id = free[0]
+    assert len(tokens_of(run(engine, [(prompt, greedy(12, stop_token_ids=[stop_id]))])[0])) == 1
+    held = run(engine, [(prompt, greedy(12, stop_token_ids=[stop_id], min_tokens=5))])[0]
+    assert len(tokens_of(held)) >= 5 and stop_id not in tokens_of(held)[:5], tokens_of(held)
+    eos_params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=False, min_tokens=12)
+    to_the_end = run(engine, [(prompt, eos_params)])[0]
+    assert len(tokens_of(to_the_end)) == 12 and to_the_end[-1].finish_reason == "length"
+    assert not set(engine.config.eos_token_ids) & set(tokens_of(to_the_end))  # EOS is banned below min_tokens

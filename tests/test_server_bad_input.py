@@ -130,6 +130,9 @@ BAD_BODIES = {  # name -> (raw body, the param the 400 names)
     f"a response_format schema nested {DEEP} deep": (json.dumps(chat_body(response_format={
         "type": "json_schema", "json_schema": {"name": "n", "schema": nested_object(DEEP)}})).encode(),
         "response_format.json_schema.schema"),
+    "min_tokens above max_tokens": (raw_chat(', "max_tokens": 4, "min_tokens": 5'), "min_tokens"),
+    "min_tokens negative": (raw_chat(', "min_tokens": -1'), "min_tokens"),
+    "ignore_eos a string": (raw_chat(', "ignore_eos": "yes"'), "ignore_eos"),
     f"chat_template_kwargs nested {DEEP} deep": (json.dumps(chat_body(chat_template_kwargs={
         "platform_instruction_override": nested_object(DEEP)})).encode(), "chat_template_kwargs.platform_instruction_override"),
 }
@@ -164,6 +167,12 @@ def test_bad_input_is_a_400_naming_the_parameter(client, name):
     if param is not None:
         assert error["param"] == param, error
     assert client.get("/health").status_code == 200
+
+
+def test_min_tokens_and_ignore_eos_reach_the_engine(app, client):
+    assert client.post("/v1/chat/completions", json=chat_body(min_tokens=3, ignore_eos=True)).status_code == 200
+    sampling = app.state.server.engine.seen[-1][1]
+    assert (sampling.min_tokens, sampling.ignore_eos) == (3, True)
 
 
 @pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1, 2**64 - 1])

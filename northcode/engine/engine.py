@@ -55,8 +55,12 @@ def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
     return logits if index == list(range(logits.shape[0])) else logits[index]
 
 
-def _history(sequences: list[Sequence]) -> list[SamplingRow]:
-    return [SamplingRow(s.params, s.seed, s.prompt_ids, s.output_ids) for s in sequences]
+def _history(sequences: list[Sequence], eos_ids: tuple) -> list[SamplingRow]:
+    """What the Sampler needs of each sequence; below its min_tokens, its stop tokens are banned from the draw."""
+    return [SamplingRow(s.params, s.seed, s.prompt_ids, s.output_ids,
+                        tuple(sorted(s.params.stop_ids(eos_ids)))
+                        if len(s.output_ids) < min(s.params.min_tokens, s.max_new_tokens) else ())
+            for s in sequences]
 
 
 class Engine:
@@ -275,7 +279,7 @@ class Engine:
         if not keep:
             return []
         sequences = [plan.prefills[i].sequence for i in keep]
-        result = self.sampler.sample(logits[keep], _history(sequences))
+        result = self.sampler.sample(logits[keep], _history(sequences, self.config.eos_token_ids))
         return list(zip(sequences, result.token_ids, result.logprobs))
 
     def _decode(self, plan: StepPlan) -> Sampled:
@@ -298,7 +302,8 @@ class Engine:
         tokens = list(result.token_ids) if batch.sample else [-1] * len(sequences)
         logprobs: list[TokenLogprob | None] = [None] * len(sequences)
         if host:
-            sample = self.sampler.sample(_rows_of(result.logits, host), _history([sequences[b] for b in host]))
+            sample = self.sampler.sample(_rows_of(result.logits, host),
+                                         _history([sequences[b] for b in host], self.config.eos_token_ids))
             for b, token, logprob in zip(host, sample.token_ids, sample.logprobs):
                 tokens[b], logprobs[b] = token, logprob
         return list(zip(sequences, tokens, logprobs))
@@ -308,7 +313,7 @@ class Engine:
         seq, params = request.sequence, request.sequence.params
         text, matched = request.take_token(token, now)
         reason, stop_reason = None, None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
+        if token in params.stop_ids(self.config.eos_token_ids):
             reason, stop_reason = "stop", token
         if matched is not None:
             reason, stop_reason = "stop", matched

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -47,6 +48,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, matched on detokenised text
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's EOS
     ignore_eos: bool = False  # for benchmarks: run to max_tokens
+    min_tokens: int = 0  # the model's EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's rule)
     skip_special_tokens: bool = True  # text_delta omits special tokens (their ids are still reported)
 
     def validate(self) -> None:
@@ -72,6 +74,8 @@ class SamplingParams:
              "must be a list of strings"),
             ("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
              and all(_is_int(t) for t in self.stop_token_ids), "must be a list of integers"),
+            ("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0, "must be an integer >= 0"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -92,10 +96,15 @@ class SamplingParams:
 
     @property
     def is_device_sampled(self) -> bool:
-        """No penalties and no logprobs: the next token needs only the logits, the seed and the draw number, so a
-        backend samples it on the device (and the engine may pipeline it); otherwise the engine's Sampler does."""
+        """No penalties, no logprobs and no min_tokens: the next token needs only the logits, the seed and the draw
+        number, so a backend samples it on the device (and the engine may pipeline it); otherwise the engine's
+        Sampler does (it masks the stop tokens of a request below its min_tokens)."""
         return (self.logprobs is None and self.presence_penalty == 0 and self.frequency_penalty == 0
-                and self.repetition_penalty == 1)
+                and self.repetition_penalty == 1 and self.min_tokens == 0)
+
+    def stop_ids(self, eos_ids: Iterable[int]) -> set[int]:
+        """The token ids that end this request: its stop_token_ids, and the model's EOS unless ignore_eos."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ class SamplingRow:
     seed: int  # the request's seed, drawn by the engine when the request gave none
     prompt_ids: list[int]
     output_ids: list[int]  # tokens sampled so far (penalties read them); len(output_ids) is this draw's number
+    banned: tuple[int, ...] = ()  # ids this draw may not pick: a request's stop tokens below its min_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +178,11 @@ class Sampler:
 
     @staticmethod
     def _scaled(logits: torch.Tensor, rows: list[SamplingRow], args: BatchSamplingArgs) -> torch.Tensor:
-        """Penalties, then temperature (1 for greedy rows): [B, V] fp32."""
+        """Penalties and banned tokens, then temperature (1 for greedy rows): [B, V] fp32."""
         logits = apply_penalties(logits.float().clone(), rows)
+        for b, row in enumerate(rows):
+            if row.banned:
+                logits[b, list(row.banned)] = -torch.inf  # scale_logits keeps it finite: -SCALED_LIMIT
         return scale_logits(logits, torch.tensor(args.temperatures, device=logits.device))
 
     def _logprobs_of(self, scaled: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[TokenLogprob | None]:

@@ -108,6 +108,9 @@ def parse_options(body: dict, *, chat: bool) -> GenerationOptions:
     if not all(isinstance(s, str) for s in stop):
         raise RequestError("stop must be a string or an array of strings", "stop")
     top_k = _field(body, "top_k", (int,), 0)
+    min_tokens = _field(body, "min_tokens", (int,), 0)  # vLLM's: no EOS or stop token id before this many tokens
+    if limit is not None and min_tokens > limit:
+        raise RequestError(f"min_tokens = {min_tokens}: must be <= max_tokens ({limit})", "min_tokens")
     seed = _field(body, "seed", (int,), int_range=(SEED_MIN, SEED_MAX))  # signed or unsigned 64-bit
     logprobs, top_logprobs = _parse_logprobs(body, chat=chat)
     stream = _field(body, "stream", (bool,), False)
@@ -128,6 +131,8 @@ def parse_options(body: dict, *, chat: bool) -> GenerationOptions:
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         logprobs=top_logprobs if logprobs else None,
         stop=[s for s in stop if s],
+        ignore_eos=_field(body, "ignore_eos", (bool,), False),  # vLLM's, for benchmarks: run to max_tokens
+        min_tokens=min_tokens,
     )
     try:
         sampling.validate()
