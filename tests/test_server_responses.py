@@ -201,6 +201,8 @@ def test_the_store_is_bounded():
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].tool_call_id"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+    ({"input": [{"type": ["message"]}]}, "input[0].type"),
+    ({"tools": [{"type": {"function": 1}}]}, "tools[0].type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "read", "arguments": 5}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call", "name": "read"}]}, "input[0].call_id"),

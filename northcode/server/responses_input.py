@@ -81,8 +81,9 @@ def in_responses_terms(err: RequestError, sources: dict[str, list[str]]) -> Requ
 def _add_messages(items: list[tuple[str, dict]], messages: list[dict], sources: list[str]) -> None:
     turn, stage = None, -1  # the assistant message being assembled, and the stage it has reached
     for param, item in items:
-        kind = item.get("type", "message")
-        role = item.get("role")
+        kind, role = item.get("type", "message"), item.get("role")
+        if not isinstance(kind, str):
+            raise RequestError(f"{param}.type must be a string (message, reasoning, function_call, ...)", f"{param}.type")
         if kind == "message" and role != "assistant":
             turn = None
             messages.append({"role": role, "content": _content(item.get("content"))})
