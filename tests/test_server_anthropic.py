@@ -336,6 +336,7 @@ def test_transport_errors_in_anthropic_shape(tiny_checkpoint, tok):
     for reply, status, kind in cases:
         assert reply.status_code == status, reply.text
         assert reply.json()["type"] == "error" and reply.json()["error"]["type"] == kind, reply.text
+        assert reply.headers["x-should-retry"] == "false"  # Claude Code retries a 401 for minutes without it
     ok = client.post("/v1/messages", json=body(), headers={"x-api-key": "k", "anthropic-version": "2023-06-01"})
     assert ok.status_code == 200
     assert client.post("/v1/chat/completions", json={"messages": []}).json()["error"]["type"] == "authentication_error"
@@ -350,6 +351,7 @@ def test_busy_and_context_overflow(tiny_checkpoint, tok):
     client.app.state.server.admit()  # the one slot is taken
     reply = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": "x"}]))
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "overloaded_error" and reply.headers["retry-after"]
+    assert "x-should-retry" not in reply.headers
 
 
 # --- a Claude Code-shaped round trip (the request shape claude -p 2.1.197 sent) ---

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from northcode.paths import model_display_name, synthetic_info
-from northcode.server.anthropic import anthropic_error, count_tokens, is_anthropic_path, messages
+from northcode.server.anthropic import anthropic_error, count_tokens, is_anthropic_path, messages, retry_header
 from northcode.server.chat import build_prompt, chat_completions
 from northcode.server.completions import completions, prompt_ids_of
 from northcode.server.errors import RequestError, error_body
@@ -122,7 +122,7 @@ def _detokenize(tokenizer, body) -> str:
 
 def _error_response(status: int, body: dict, headers: dict | None = None, path: str = "") -> JSONResponse:
     if is_anthropic_path(path):  # Anthropic's clients read their own error shape
-        body = anthropic_error(status, body)
+        body, headers = anthropic_error(status, body), {**(headers or {}), **retry_header(status)}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

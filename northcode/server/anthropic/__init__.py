@@ -6,6 +6,6 @@ output parser's deltas into content blocks and SSE events; routes.py holds the h
 Anthropic error shape app.py uses on these paths.
 """
 
-from northcode.server.anthropic.routes import anthropic_error, count_tokens, is_anthropic_path, messages
+from northcode.server.anthropic.routes import anthropic_error, count_tokens, is_anthropic_path, messages, retry_header
 
-__all__ = ["anthropic_error", "count_tokens", "is_anthropic_path", "messages"]
+__all__ = ["anthropic_error", "count_tokens", "is_anthropic_path", "messages", "retry_header"]

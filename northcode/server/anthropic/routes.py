@@ -30,6 +30,12 @@ def is_anthropic_path(path: str) -> bool:
     return path == PATH or path.startswith(PATH + "/")
 
 
+def retry_header(status: int) -> dict:
+    """x-should-retry, which Anthropic's SDKs and Claude Code obey: no retry for a request that cannot succeed
+    as it is (Claude Code retries even a 401 a dozen times, for minutes, without it)."""
+    return {"x-should-retry": "false"} if 400 <= status < 500 and status not in (408, 409, 429) else {}
+
+
 def anthropic_error(status: int, body: dict) -> dict:
     """The OpenAI error body the server builds -> Anthropic's {"type": "error", "error": {type, message}}."""
     error = body.get("error") or {}
