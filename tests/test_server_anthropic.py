@@ -173,6 +173,13 @@ def test_text_message(tiny_checkpoint, tok):
     assert usage["output_tokens"] == len(encode_script(tok, *TEXT_SCRIPT))
 
 
+def test_a_reply_cut_off_while_thinking_still_signs_its_thinking(tiny_checkpoint, tok):
+    client, _ = scripted(tiny_checkpoint, tok, *TEXT_SCRIPT)
+    message = client.post("/v1/messages", json=body(max_tokens=2)).json()
+    assert [b["type"] for b in message["content"]] == ["thinking"] and message["content"][0]["signature"] == "northcode"
+    assert message["stop_reason"] == "max_tokens"
+
+
 def test_tool_use_message(tiny_checkpoint, tok):
     client, _ = scripted(tiny_checkpoint, tok, *TWO_CALLS)
     message = client.post("/v1/messages", json=body(tools=[READ_TOOL])).json()

@@ -90,6 +90,7 @@ async def _complete(state, run: EngineRun, parser: OutputParser, reply: _Reply) 
         blocks.push(parser.feed(out.token_ids))
         final = out
     blocks.push(parser.finish())
+    blocks.close()  # a last thinking block gets its signature
     if final is not None and final.finish_reason == "error":
         raise engine_error(state, final)
     state.metrics.record_finished(final)
