@@ -309,6 +309,21 @@ def test_api_key(tiny_checkpoint, tok):
     assert client.get("/health").status_code == 200  # monitoring stays open
 
 
+def test_cors_only_for_the_allowed_origins(tiny_checkpoint, tok):
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    plain, _, _ = make_client(tiny_checkpoint, tok.encode("x"))
+    assert "access-control-allow-origin" not in plain.get("/v1/models", headers={"Origin": "http://evil.example"}).headers
+    client, _, _ = make_client(tiny_checkpoint, tok.encode("x"), api_key="s3cret",
+                               allowed_origins=("http://localhost:3000",))
+    answer = client.options("/v1/chat/completions", headers=preflight)  # a preflight carries no key
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+    allowed = client.get("/v1/models", headers={"Origin": "http://localhost:3000", "Authorization": "Bearer s3cret"})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    other = client.get("/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer s3cret"})
+    assert "access-control-allow-origin" not in other.headers
+
+
 def test_health_while_loading_then_ready(tiny_checkpoint, tok):
     state = ServerState(ServerOptions())
     client = TestClient(create_app(state), raise_server_exceptions=False)

@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
     parser.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every API request")
     parser.add_argument("--served-model-name", default="north-mini-code", help="model id in /v1/models and responses")
+    parser.add_argument("--allowed-origins", metavar="ORIGINS", default="",
+                        help="comma-separated browser origins allowed by CORS, or '*' (default: none, no CORS headers)")
     parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default: 8)")
     parser.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch before 503 (default: 32)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by the KV pool)")
@@ -94,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     check_backend_setting(model_dir, settings)  # a megakernel that cannot run here: exit 2 now, not after loading
     system_prompt = DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
+    origins = tuple(origin.strip() for origin in args.allowed_origins.split(",") if origin.strip())
     options = ServerOptions(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
-                            max_queue=args.max_queue, default_system_prompt=system_prompt)
+                            max_queue=args.max_queue, default_system_prompt=system_prompt, allowed_origins=origins)
     listener = bind_listener(args.host, args.port)  # before loading: a taken port is a clear error at once
     state = ServerState(options)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level))

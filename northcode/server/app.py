@@ -18,6 +18,7 @@ import os
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -209,4 +210,7 @@ def create_app(state: ServerState) -> Starlette:
     app.state.server = state
     app.state.response_store = ResponseStore()  # /v1/responses kept for previous_response_id
     app.add_middleware(GuardMiddleware, state=state)
+    if state.options.allowed_origins:  # outermost: a browser's preflight is answered before the API-key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.options.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app

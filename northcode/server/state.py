@@ -35,6 +35,7 @@ class ServerOptions:
     max_queue: int = 32  # requests held beyond the running batch before 503
     default_system_prompt: str | None = DEFAULT_SYSTEM_PROMPT  # used when a chat has no system message
     reasoning_alias: bool = True  # stream reasoning as both reasoning_content and reasoning
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any); none: no CORS
 
 
 class ServerState:
