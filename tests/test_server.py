@@ -309,6 +309,21 @@ def test_api_key(tiny_checkpoint, tok):
     assert client.get("/health").status_code == 200  # monitoring stays open
 
 
+def test_serve_prints_how_opencode_claude_code_and_codex_reach_it():
+    import tomllib
+
+    from northcode.commands.serve import agent_cli_setup, opencode_snippet
+
+    opencode = json.loads(opencode_snippet("http://127.0.0.1:8123", "m", 8192, None))
+    assert opencode["provider"]["northcode"]["options"]["baseURL"] == "http://127.0.0.1:8123/v1"
+    claude, codex = agent_cli_setup("http://127.0.0.1:8123", "m", 8192, "k").split("\nCodex CLI: in ~/.codex/config.toml\n")
+    assert claude == "Claude Code: ANTHROPIC_BASE_URL=http://127.0.0.1:8123 ANTHROPIC_AUTH_TOKEN=k claude --model m"
+    config = tomllib.loads(codex.rsplit("\nthen ", 1)[0].replace("\n  ", "\n").strip())
+    assert config["model"] == "m" and config["model_context_window"] == 8192
+    assert config["model_providers"]["northcode"] == {"name": "northcode", "base_url": "http://127.0.0.1:8123/v1",
+                                                     "env_key": "NORTHCODE_API_KEY", "wire_api": "responses"}
+
+
 def test_cors_only_for_the_allowed_origins(tiny_checkpoint, tok):
     preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}

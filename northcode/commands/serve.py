@@ -58,6 +58,17 @@ def opencode_snippet(base_url: str, model_name: str, context: int, api_key: str 
     return json.dumps({"$schema": "https://opencode.ai/config.json", "provider": provider}, indent=2)
 
 
+def agent_cli_setup(base_url: str, model_name: str, context: int, api_key: str | None) -> str:
+    """How Claude Code (the Messages API) and Codex CLI (the Responses API) reach this server: README's setup."""
+    key = api_key or "unused"
+    return (f"Claude Code: ANTHROPIC_BASE_URL={base_url} ANTHROPIC_AUTH_TOKEN={key} claude --model {model_name}\n"
+            f"Codex CLI: in ~/.codex/config.toml\n"
+            f'  model = "{model_name}"\n  model_provider = "northcode"\n  model_context_window = {context}\n'
+            f'  [model_providers.northcode]\n  name = "northcode"\n  base_url = "{base_url}/v1"\n'
+            f'  env_key = "NORTHCODE_API_KEY"\n  wire_api = "responses"\n'
+            f"then NORTHCODE_API_KEY={key} codex")
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port for uvicorn; ValueError naming the option when that fails."""
     try:
@@ -149,6 +160,7 @@ def _announce_when_ready(state, server, args: argparse.Namespace, outcome: dict)
     print(f"  backend: {stats['backend']} ({stats['backend_reason']})", file=sys.stderr)
     print("OpenCode: put this in opencode.json (or ~/.config/opencode/opencode.json):", file=sys.stderr)
     print(opencode_snippet(base_url, state.options.model_name, state.engine.max_model_len, args.api_key), file=sys.stderr)
+    print(agent_cli_setup(base_url, state.options.model_name, state.engine.max_model_len, args.api_key), file=sys.stderr)
     _stop_when_the_engine_fails(state, server)
 
 
