@@ -1,4 +1,5 @@
-"""Runs a real `northcode serve` on a free loopback port for the TUI and `northcode run` tests."""
+"""A real server on a free loopback port: `northcode serve` in its own process (the TUI, `northcode run` and soak
+tests), or an app under uvicorn in a thread of the test (running_server)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
+import uvicorn
 
 
 def free_port() -> int:
@@ -64,3 +67,20 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+@contextlib.contextmanager
+def running_server(app):
+    """uvicorn on a free loopback port in a thread; log_config=None lets caplog see its log records."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -9,19 +9,17 @@ connection usable, checked on a real uvicorn server with one pooled httpx client
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.testclient import TestClient
-from test_server import TEXT_SCRIPT, TOOLS, ScriptedEngine, chat_body, encode_script
+from northcode_serve_process import running_server
+from test_server import TEXT_SCRIPT, ScriptedEngine, chat_body, encode_script
 
 from northcode.engine.request import TokenLogprob
 from northcode.server.app import create_app
@@ -271,23 +269,6 @@ def test_completion_logprobs_are_finite_strict_json(logprob_client, stream):
 
 
 # --- a real server: keep-alive after a 4xx, a client that hangs up mid-body ---
-
-
-@contextlib.contextmanager
-def running_server(app):
-    """uvicorn on a free loopback port in a thread; log_config=None lets caplog see its log records."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

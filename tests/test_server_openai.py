@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import uvicorn
+
+from northcode_serve_process import running_server
 
 from northcode.engine.settings import EngineSettings
 from northcode.server.app import create_app
@@ -34,17 +35,8 @@ def server(tiny_checkpoint):
     state = ServerState(ServerOptions(max_batch=8, max_queue=8))
     state.load_in_background(tiny_checkpoint, EngineSettings(max_batch=8, num_pages=512, seed=0)).join()
     assert state.ready, state.load_error
-    uv = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", state=state)
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with running_server(create_app(state)) as url:
+        yield SimpleNamespace(url=url, state=state)
     state.engine.shutdown()
 
 
