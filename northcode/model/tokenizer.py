@@ -81,8 +81,15 @@ class Tokenizer:
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of `text`, without BOS. Marker strings stay ordinary text unless allow_special."""
+        return self.encoding(text, allow_special).ids
+
+    def encoding(self, text: str, allow_special: bool = False) -> tokenizers.Encoding:
+        """The library's Encoding of `text` (len() counts its tokens without building the ids). Through
+        encode_batch_fast: it releases the GIL while it works and computes no offsets (the library's encode
+        holds the GIL throughout, and freeing millions of offsets held it for half a second), so a multi-MB
+        prompt tokenized in a worker thread does not stall the server's event loop. The same ids."""
         inner = self._with_special if allow_special else self._plain
-        return inner.encode(text, add_special_tokens=False).ids
+        return inner.encode_batch_fast([text], add_special_tokens=False)[0]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._with_special.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -201,24 +201,17 @@ def _marked_pieces(text: str) -> list[str]:
 
 
 def encode_text(tokenizer, text: str, *, allow_special: bool) -> list[int]:
-    """tokenizer.encode(text, allow_special), holding the GIL only briefly (see _encoding)."""
+    """tokenizer.encode(text, allow_special) (Tokenizer.encoding says why it releases the GIL)."""
     encoding = _encoding(tokenizer, text, allow_special=allow_special)
     return encoding if isinstance(encoding, list) else encoding.ids
 
 
 def _encoding(tokenizer, text: str, *, allow_special: bool):
-    """The tokenizers library's Encoding of `text` (len() is its token count, .ids its ids), computed with
-    the GIL released: a multi-MB prompt tokenized in a worker thread froze the event loop for seconds.
-
-    The library's encode holds the GIL throughout; encode_batch_fast releases it while it works and
-    computes no offsets, whose freeing (millions of them) held the GIL for half a second. northcode's
-    Tokenizer wraps encode only, so this reaches for the library objects it holds (same ids:
-    tests/test_chat_template.py); a tokenizer without them (a test double) gives its list of ids.
-    """
-    inner = getattr(tokenizer, "_with_special" if allow_special else "_plain", None)
-    if inner is None:
+    """Tokenizer.encoding (len() counts the tokens before any id list is built); a tokenizer without it (a test
+    double) gives its list of ids."""
+    if not hasattr(tokenizer, "encoding"):
         return tokenizer.encode(text, allow_special=allow_special)
-    return inner.encode_batch_fast([text], add_special_tokens=False)[0]
+    return tokenizer.encoding(text, allow_special)
 
 
 def _numbered_calls(messages: list[dict]) -> list[dict] | None:
