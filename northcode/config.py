@@ -351,11 +351,6 @@ def env_compile_gemv_max_batch(default: int) -> int:
     return int(chosen) if chosen else default
 
 
-def env_torch_moe() -> str | None:
-    """NORTHCODE_TORCH_MOE: the torch backend's decode MoE path (routed_experts.MOE_PATHS checks it); None: unset."""
-    return _env("NORTHCODE_TORCH_MOE") or None
-
-
 def env_cuda_homes() -> list[str]:
     """Where a CUDA toolkit may be, in order: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda (nvcc is in its bin/)."""
     return [home for home in (_env("CUDA_HOME"), _env("CUDA_PATH"), "/usr/local/cuda") if home]

@@ -206,21 +206,12 @@ def test_decode_step_of_the_full_layer_plan_launches_few_kernels_and_never_syncs
         assert by_part["prepare"] <= 80
 
 
-def test_the_moe_path_is_chosen_by_dtype_and_device_or_by_the_environment(monkeypatch):
+def test_the_moe_path_is_chosen_by_dtype_and_device():
     from northcode.torch_backend.routed_experts import choose_moe_path
 
-    monkeypatch.delenv("NORTHCODE_TORCH_MOE", raising=False)
     assert choose_moe_path(torch.device("cpu"), torch.float32) == "grouped"
     assert choose_moe_path(torch.device("cuda"), torch.bfloat16) == "grouped"
     assert choose_moe_path(torch.device("cuda"), torch.float32) == "gathered"  # CUDA's grouped GEMM: bf16 only
-    monkeypatch.setenv("NORTHCODE_TORCH_MOE", "gathered")
-    assert choose_moe_path(torch.device("cpu"), torch.float32) == "gathered"
-    monkeypatch.setenv("NORTHCODE_TORCH_MOE", "grouped")
-    with pytest.raises(ValueError, match="NORTHCODE_TORCH_MOE=grouped: CUDA's grouped GEMM takes bf16 only"):
-        choose_moe_path(torch.device("cuda"), torch.float32)
-    monkeypatch.setenv("NORTHCODE_TORCH_MOE", "loop")
-    with pytest.raises(ValueError, match="NORTHCODE_TORCH_MOE='loop': must be one of grouped, gathered"):
-        choose_moe_path(torch.device("cpu"), torch.float32)
 
 
 def test_bf16_decode_is_as_close_to_fp32_as_the_bf16_reference(tiny):

@@ -103,6 +103,16 @@ __host__ __device__ constexpr int ctr(int layer, int which) { return layer * kCt
 struct HangRecord { int flag, block, role, task, type, layer, what, a, b, c; };
 __device__ HangRecord* g_hang;
 __device__ int g_where[2 * 1024];  // [block][role]: the task index each role is at
+// Stall accounting (profile steps only): ns each role spent in a slow wait, by the task type it was in.
+// [type][kind]: 0 producer on an empty stage, 1 producer on a counter, 2 consumers on a full stage, 3 consumers on a
+// counter (thread 32 of the consumers measures for them).
+__device__ int g_type[2 * 1024];   // [block][role]: the type of the task each role is in
+__device__ int g_stall_on;
+__device__ unsigned long long g_stall[16][4];
+__device__ __forceinline__ void stall_add(int role, int kind, long long ns) {
+  if (g_stall_on && (role == 0 ? threadIdx.x == 0 : threadIdx.x == 32))
+    atomicAdd(&g_stall[g_type[2 * blockIdx.x + role]][kind], (unsigned long long)ns);
+}
 
 __device__ __forceinline__ long long global_ns() {
   long long t;
@@ -141,6 +151,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity, int wh
   const long long t0 = global_ns();
   while (!mbar_try(bar, parity))
     if (global_ns() - t0 > 2000000000ll) hang(what == 2 ? 0 : 1, what, it, parity, 0);
+  stall_add(what == 2 ? 0 : 1, what == 2 ? 0 : 2, global_ns() - t0);
 }
 __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar,
                                        uint64_t policy) {
@@ -172,6 +183,7 @@ __device__ __forceinline__ void spin_until(const unsigned* p, unsigned target, i
     __nanosleep(20);
     if (global_ns() - t0 > 2000000000ll) hang(role, 3, counter, target, ld_acquire(p));
   }
+  stall_add(role, role == 0 ? 1 : 3, global_ns() - t0);
 }
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers * 32) : "memory"); }
 __device__ __forceinline__ void signal(unsigned* c) {  // after consumer_sync: every consumer's stores are done
@@ -334,6 +346,7 @@ __device__ void produce(const Params& p, const Maps& maps, Smem& s, const Task* 
   for (int i = 0; i < n; ++i) {
     g_where[2 * blockIdx.x] = i;
     const Task t = list[i];
+    g_type[2 * blockIdx.x] = t.type;
     const int l = t.layer;
     switch (t.type) {
       case T_QKV: produce_rows(maps, s, st, M_QKV, l * QKV_ROWS + 8 * t.a[0], t.a[1], 2, 16384, pol); break;
@@ -448,9 +461,13 @@ __device__ __forceinline__ void load_a(unsigned (&a)[KS][2], const bf16* act, in
   }
 }
 
+// ACC independent accumulators per warp (1: one dependent mma chain; 2 or 4 shorten it), summed before the reduce.
+#ifndef ACC
+#define ACC 1
+#endif
 // One box: 8 weight rows x (KS * 8 * 16) columns; the warp multiplies its KS k16 steps.
 template <int KS>
-__device__ __forceinline__ void box_product(float (&acc)[4], const unsigned char* box, const unsigned (&a)[KS][2]) {
+__device__ __forceinline__ void box_product(float (&acc)[ACC][4], const unsigned char* box, const unsigned (&a)[KS][2]) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 1, r = lane % 8, m = lane / 8;
 #pragma unroll
   for (int j = 0; j < KS; j += 2) {
@@ -458,8 +475,8 @@ __device__ __forceinline__ void box_product(float (&acc)[4], const unsigned char
     const int chunk = (k0 % 64) / 8 + m;
     unsigned b[4];
     ldsm_x4(b, smem_u32(box + (k0 / 64) * 1024 + r * 128 + ((chunk ^ r) << 4)));
-    mma(acc, a[j][0], a[j][1], b[0], b[1]);
-    mma(acc, a[j + 1][0], a[j + 1][1], b[2], b[3]);
+    mma(acc[j % ACC], a[j][0], a[j][1], b[0], b[1]);
+    mma(acc[(j + 1) % ACC], a[j + 1][0], a[j + 1][1], b[2], b[3]);
   }
 }
 
@@ -481,17 +498,24 @@ template <int NK, int KS, class Epi>
 __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, const bf16* act, int stride, Epi epi) {
   const int lane = threadIdx.x % 32, tid = threadIdx.x - 32;
   for (int g = 0; g < groups; ++g) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float accs[ACC][4] = {};
 #pragma unroll
     for (int kb = 0; kb < NK; ++kb) {
       unsigned a[KS][2];
       load_a<KS>(a, act, stride, p.batch, kb * KS * 8 * 16);
       const int k = st.k;
       mbar_wait(&s.full[k], st.phase);
-      box_product<KS>(acc, s.ring + (size_t)k * kStageBytes, a);
+      box_product<KS>(accs, s.ring + (size_t)k * kStageBytes, a);
       __syncwarp();
       if (lane == 0) mbar_arrive(&s.empty[k]);
       st.advance(s.stages);
+    }
+    float acc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[i] = accs[0][i];
+#pragma unroll
+      for (int j = 1; j < ACC; ++j) acc[i] += accs[j][i];
     }
     const float v = reduce_group(s, acc, g & 1);
     if (tid < 64 && tid / 8 < p.batch) epi(g, tid / 8, tid % 8, v);
@@ -924,9 +948,9 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
   }
   Stream st;
   for (int i = 0; i < n; ++i) {
-    if (threadIdx.x == 32) g_where[2 * blockIdx.x + 1] = i;
-    if (p.profile && threadIdx.x == 32) p.profile[3 * (p.task_start[blockIdx.x] + i)] = global_ns();
     const Task t = list[i];
+    if (threadIdx.x == 32) { g_where[2 * blockIdx.x + 1] = i; g_type[2 * blockIdx.x + 1] = t.type; }
+    if (p.profile && threadIdx.x == 32) p.profile[3 * (p.task_start[blockIdx.x] + i)] = global_ns();
     switch (t.type) {
       case T_QKV: consume_qkv(p, s, st, t); break;
       case T_ROUTER: consume_router(p, s, st, t); break;
@@ -1173,8 +1197,15 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
   long long* prof;
   CK(cudaMalloc(&prof, ntasks * 3 * 8));
   p.profile = prof;
+  unsigned long long zero[16][4] = {};
+  const int on = 1, off = 0;
+  CK(cudaMemcpyToSymbol(g_stall, zero, sizeof zero));
+  CK(cudaMemcpyToSymbol(g_stall_on, &on, sizeof on));
   launch();
   CK(cudaDeviceSynchronize());
+  CK(cudaMemcpyToSymbol(g_stall_on, &off, sizeof off));
+  unsigned long long stall[16][4];
+  CK(cudaMemcpyFromSymbol(stall, g_stall, sizeof stall));
   p.profile = nullptr;
   std::vector<long long> h(ntasks * 3);
   CK(cudaMemcpy(h.data(), prof, h.size() * 8, cudaMemcpyDeviceToHost));
@@ -1202,6 +1233,13 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
   printf("  profile (layers 2-47, per task, us): ");
   for (int k = 1; k < 10; ++k)
     if (count[k]) printf("%s wait %.2f work %.2f (%.0f); ", names[k], wait[k] / count[k] / 1e3, work[k] / count[k] / 1e3, count[k]);
+  printf("\n  stalls per SM per step (us; producer empty/counter, consumers full/counter): ");
+  const double n_sm = (double)sched.per_sm.size();
+  for (int k = 1; k < 10; ++k) {
+    const unsigned long long* st = stall[k];
+    if (st[0] + st[1] + st[2] + st[3])
+      printf("%s %.0f/%.0f/%.0f/%.0f; ", names[k], st[0] / n_sm / 1e3, st[1] / n_sm / 1e3, st[2] / n_sm / 1e3, st[3] / n_sm / 1e3);
+  }
   printf("\n  per layer per SM: busy %.1f us, gaps %.1f us\n  layer 25 from its first start (us): ",
          busy / 46 / sched.per_sm.size() / 1e3, gap / 46 / sched.per_sm.size() / 1e3);
   for (int k = 1; k < 10; ++k)

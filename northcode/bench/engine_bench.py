@@ -41,9 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the torch decode step eagerly")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="of free GPU memory for KV pages")
     parser.add_argument("--num-pages", type=int, help="fixed KV pool size in pages")
-    parser.add_argument("--torch-moe", choices=("grouped", "gathered"),
-                        help="MoE path of the torch decode step (default: grouped for bf16 on a GPU and on the CPU; "
-                             "sets NORTHCODE_TORCH_MOE)")
 
 
 @dataclass
@@ -175,10 +172,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    if args.torch_moe:
-        import os
-
-        os.environ["NORTHCODE_TORCH_MOE"] = args.torch_moe  # read by TorchBackend when it is built
     started = time.perf_counter()
     engine = build_engine(args)
     print(f"northcode bench engine: {engine.model_name} loaded in {time.perf_counter() - started:.1f} s",

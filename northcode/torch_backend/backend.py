@@ -32,7 +32,6 @@ nothing refers to it. A capture that fails anyway is undone, logged and kept in
 `capture_failures`; that (batch, context) bucket then runs eagerly.
 decode and launch_decode sample every row with the device draw (engine/sampling.sample_on_device); the
 engine's Sampler samples the rows with penalties or logprobs from the logits decode returns.
-NORTHCODE_TORCH_MOE=grouped|gathered picks the decode MoE path (routed_experts.py) to measure both.
 """
 
 from __future__ import annotations

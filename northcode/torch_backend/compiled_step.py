@@ -34,7 +34,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from northcode.config import env_compile_gemv_max_batch, env_torch_compile, env_torch_moe
+from northcode.config import env_compile_gemv_max_batch, env_torch_compile
 from northcode.model.model import apply_rope, rope_cos_sin
 from northcode.torch_backend.routed_experts import gathered_pair_outputs, grouped_pair_outputs, route_logits
 
@@ -296,7 +296,7 @@ class CompiledDecode:
         cfg, backend = self.config, self.backend
         # grouped: the grouped GEMM, whose meta function (what compile traces) takes bf16 only, even on the CPU
         grouped = not gemv and backend.dtype == torch.bfloat16
-        moe_path = env_torch_moe() or ("grouped" if grouped else "gathered")
+        moe_path = "grouped" if grouped else "gathered"
         shared = None if cfg.num_shared_experts == 0 else cfg.shared_expert_combination_strategy
         return LayerSpec(cfg.uses_rms_norm, cfg.norm_eps, backend.page_size, cfg.num_key_value_heads,
                          cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, backend.qkv_size,

@@ -12,7 +12,7 @@ experts of a token are summed in top-k order instead of ascending id order):
 - gathered (`gathered_experts`): index_select the N*k chosen experts' weights into [N*k, 2I, H] and
   [N*k, H, I], then plain batched GEMVs: 7 kernels at N = 1, but three times the bytes of the experts at
   batch 1 (the copy is written and read again) and a copy per (token, expert) pair at batch 8: used for
-  fp32/fp16 on a GPU, and selectable with NORTHCODE_TORCH_MOE=gathered to measure it. At N > 1 its two
+  fp32/fp16 on a GPU and in the compiled step's GEMV buckets (compiled_step.py). At N > 1 its two
   GEMMs are batched with one output column, the kind of cuBLAS call that failed in capture (below).
 - loop (model.run_experts, host syncs): the prefill of fp32/fp16 models on a GPU.
 
@@ -29,22 +29,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from northcode.config import ModelConfig, env_torch_moe
+from northcode.config import ModelConfig
 from northcode.model.model import expert_weights, route, run_experts
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10 on
-MOE_PATHS = ("grouped", "gathered")  # "loop" (model.run_experts, host syncs) serves fp32 prefill on a GPU
 
 
 def choose_moe_path(device: torch.device, dtype: torch.dtype) -> str:
-    """NORTHCODE_TORCH_MOE when set, else grouped where the grouped GEMM runs (CPU, bf16 on CUDA)."""
-    chosen = env_torch_moe()
-    if chosen:
-        if chosen not in MOE_PATHS:
-            raise ValueError(f"NORTHCODE_TORCH_MOE={chosen!r}: must be one of {', '.join(MOE_PATHS)}")
-        if chosen == "grouped" and device.type == "cuda" and dtype != torch.bfloat16:
-            raise ValueError(f"NORTHCODE_TORCH_MOE=grouped: CUDA's grouped GEMM takes bf16 only, the model is {dtype}")
-        return chosen
+    """The decode MoE path: grouped where the grouped GEMM runs (CPU, bf16 on CUDA), else gathered."""
     return "grouped" if device.type == "cpu" or dtype == torch.bfloat16 else "gathered"
 
 
