@@ -10,8 +10,6 @@
 #   gpu        tests/gpu/test_torch_compile_gpu.py (compiled vs eager: tiny fp32 at B = 8; 5 layers bf16 at 8K, B = 1
 #              and 8, each step's allocation next to the pool): three bucket compiles, ~20 + 60 + 20 s cold
 #   time       (not by default) op_count --time --compiled at B = 1: the compiled step's kernels by device time
-#   bench-gemv8  (not by default) bench-on with NORTHCODE_TORCH_COMPILE_GEMV=8: B = 8 through inductor's GEMVs
-#              and gathered experts (each row reads its 8 experts) instead of cuBLAS and the grouped GEMM
 # Expected (lab/notebook.md, torch plan): bench-on B=1 ~4.6 ms (3.8-5.5), B=8 ~16.5 ms (14.5-18.5); bench-off
 # as before (~7.7 / ~20 ms); no "torch.compile of the decode step failed" line; the gpu phase passes (3 tests).
 # Time limits: 15 + 170 + 55 + 115 = 355 s for the default phases.
@@ -42,14 +40,12 @@ raise SystemExit(main())'
 phase env 15 bash -c 'python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, torch.cuda.get_device_name())"; for c in gcc g++ cc; do printf "%s: " $c; command -v $c || echo missing; done'
 phase bench-on 170 env NORTHCODE_TORCH_COMPILE=1 python3 -c "$BENCH" --quick --backends torch --out "$OUT/bench-on"
 phase bench-off 55 env NORTHCODE_TORCH_COMPILE=0 python3 -c "$BENCH" --quick --backends torch --out "$OUT/bench-off"
-phase bench-gemv8 170 env NORTHCODE_TORCH_COMPILE=1 NORTHCODE_TORCH_COMPILE_GEMV=8 python3 -c "$BENCH" --quick \
-  --backends torch --out "$OUT/bench-gemv8"
 phase gpu 115 python3 -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_torch_compile_gpu.py
 phase time 120 python3 -m northcode.torch_backend.op_count --time --compiled --batch 1 --context 8192
 
 echo "== phases"; cat "$OUT/compile_phases.txt"
 [ -f "$OUT/env.log" ] && { echo "== env"; cat "$OUT/env.log"; }
-for run in bench-on bench-off bench-gemv8; do
+for run in bench-on bench-off; do
   [ -f "$OUT/$run.log" ] || continue
   echo "== $run (8K)"
   grep -E "compiled the decode step|torch.compile of the decode step failed|not captured|FAILED|Error" "$OUT/$run.log" | tail -n 8

@@ -343,14 +343,6 @@ def env_torch_compile() -> bool | None:
     return chosen == "1" if chosen else None
 
 
-def env_compile_gemv_max_batch(default: int) -> int:
-    """NORTHCODE_TORCH_COMPILE_GEMV: the largest batch bucket compiled with inductor's GEMVs (0: none)."""
-    chosen = _env("NORTHCODE_TORCH_COMPILE_GEMV")
-    if chosen and not chosen.isdigit():
-        raise ValueError(f"NORTHCODE_TORCH_COMPILE_GEMV={chosen!r}: must be a batch size (0: never)")
-    return int(chosen) if chosen else default
-
-
 def env_cuda_homes() -> list[str]:
     """Where a CUDA toolkit may be, in order: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda (nvcc is in its bin/)."""
     return [home for home in (_env("CUDA_HOME"), _env("CUDA_PATH"), "/usr/local/cuda") if home]

@@ -21,8 +21,7 @@ into inductor's GEMV (its mm/bmm decompositions, as gpt-fast): the weights strea
 cuBLAS's ~1.6 TB/s at M = 1-8, and the routed experts take the gathered path (routed_experts.py), whose gather
 of the chosen experts' weights becomes the GEMV's indirect loads (no copy). Larger buckets keep cuBLAS and
 the grouped GEMM (at 8K, GEMVs were -12% at B=2, -6% at B=4, +16% at B=8, where every row reads its own
-experts; a GEMV bucket compiles in ~65 s against 15-30 s). NORTHCODE_TORCH_COMPILE_GEMV=N moves that limit (0:
-cuBLAS everywhere).
+experts; a GEMV bucket compiles in ~65 s against 15-30 s): GEMV_MAX_BATCH, below.
 Results equal the eager step's to the model dtype's rounding (GEMV sums in fp32 in another order; flex
 keeps the scores in fp32 where the eager bmm rounds them to the model dtype).
 """
@@ -34,7 +33,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from northcode.config import env_compile_gemv_max_batch, env_torch_compile
+from northcode.config import env_torch_compile
 from northcode.model.model import apply_rope, rope_cos_sin
 from northcode.torch_backend.routed_experts import gathered_pair_outputs, grouped_pair_outputs, route_logits
 
@@ -211,16 +210,9 @@ def head_step(h: torch.Tensor, lm_head: torch.Tensor, spec: StepSpec) -> torch.T
     return logits.float()
 
 
-def gemv_max_batch() -> int:
-    """NORTHCODE_TORCH_COMPILE_GEMV (default 2): the largest batch bucket compiled with inductor's GEMVs and
-    gathered experts (0: cuBLAS and the grouped GEMM everywhere; 8: at batch 8 too, where each row reads its
-    own 8 experts, ~23% more bytes than the distinct ones: 16% slower than the grouped GEMM there, and batch 4
-    6% faster for 50 s more compiling)."""
-    return env_compile_gemv_max_batch(default=2)
-
-
 # --- the driver ---
 
+GEMV_MAX_BATCH = 2  # on a GPU, the largest bucket with inductor's GEMVs (docstring above; lab/notebook.md run 105)
 RECOMPILE_LIMIT = 512  # graphs per compiled function: kinds x buckets x backends of other shapes (tests)
 CHECK_LAYER_COS_MIN = 0.9  # warm-up check, per layer: rounding gives ~0.9999, a swapped expert ~0.97, a bug ~0
 CHECK_LOGITS_COS_MIN = 0.99  # and the LM head on the same input
@@ -276,7 +268,7 @@ class CompiledDecode:
     def __init__(self, backend) -> None:
         cfg, device, ps = backend.config, backend.device, backend.page_size
         self.backend, self.config = backend, cfg
-        self.gemv_max_batch = gemv_max_batch() if device.type == "cuda" else 0  # inductor's GEMVs up to here
+        self.gemv_max_batch = GEMV_MAX_BATCH if device.type == "cuda" else 0  # inductor's GEMVs up to here
         self.ready: dict[int, float] = {}  # batch bucket -> seconds its compile and check took
         window_pages = min(-(-cfg.sliding_window // ps) + 1, backend.max_pages_per_seq) if cfg.sliding_window else 0
         layer_ids = {sliding: [i for i in range(cfg.num_hidden_layers) if (cfg.window(i) is not None) == sliding]
