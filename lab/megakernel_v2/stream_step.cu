@@ -105,10 +105,11 @@ __device__ HangRecord* g_hang;
 __device__ int g_where[2 * 1024];  // [block][role]: the task index each role is at
 // Stall accounting (profile steps only): ns each role spent in a slow wait, by the task type it was in.
 // [type][kind]: 0 producer on an empty stage, 1 producer on a counter, 2 consumers on a full stage, 3 consumers on a
-// counter (thread 32 of the consumers measures for them).
+// counter, 4 consumers at a group's reduce barrier, 5 producer claiming a drain tile (thread 32 of the consumers
+// measures for them).
 __device__ int g_type[2 * 1024];   // [block][role]: the type of the task each role is in
 __device__ int g_stall_on;
-__device__ unsigned long long g_stall[16][4];
+__device__ unsigned long long g_stall[16][6];
 __device__ __forceinline__ void stall_add(int role, int kind, long long ns) {
   if (g_stall_on && (role == 0 ? threadIdx.x == 0 : threadIdx.x == 32))
     atomicAdd(&g_stall[g_type[2 * blockIdx.x + role]][kind], (unsigned long long)ns);
@@ -146,12 +147,18 @@ __device__ __forceinline__ bool mbar_try(uint64_t* bar, unsigned parity) {
   return ok;
 }
 // what: 1 a full stage (consumers), 2 an empty stage (producer)
+// try_wait may suspend the thread for a while before it answers, so the stall clock starts before the first try.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity, int what = 1, int it = 0) {
-  if (mbar_try(bar, parity)) return;
-  const long long t0 = global_ns();
+  const bool timed = g_stall_on;
+  const long long t0 = timed ? global_ns() : 0;
+  if (mbar_try(bar, parity)) {
+    if (timed) stall_add(what == 2 ? 0 : 1, what == 2 ? 0 : 2, global_ns() - t0);
+    return;
+  }
+  const long long t1 = global_ns();
   while (!mbar_try(bar, parity))
-    if (global_ns() - t0 > 2000000000ll) hang(what == 2 ? 0 : 1, what, it, parity, 0);
-  stall_add(what == 2 ? 0 : 1, what == 2 ? 0 : 2, global_ns() - t0);
+    if (global_ns() - t1 > 2000000000ll) hang(what == 2 ? 0 : 1, what, it, parity, 0);
+  stall_add(what == 2 ? 0 : 1, what == 2 ? 0 : 2, global_ns() - (timed ? t0 : t1));
 }
 __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar,
                                        uint64_t policy) {
@@ -177,13 +184,18 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 __device__ __forceinline__ void spin_until(const unsigned* p, unsigned target, int role = 1, int counter = -1) {
-  if (ld_acquire(p) >= target) return;
+  const bool timed = g_stall_on;
+  const long long tw = timed ? global_ns() : 0;
+  if (ld_acquire(p) >= target) {
+    if (timed) stall_add(role, role == 0 ? 1 : 3, global_ns() - tw);
+    return;
+  }
   const long long t0 = global_ns();
   while (ld_acquire(p) < target) {
     __nanosleep(20);
     if (global_ns() - t0 > 2000000000ll) hang(role, 3, counter, target, ld_acquire(p));
   }
-  stall_add(role, role == 0 ? 1 : 3, global_ns() - t0);
+  stall_add(role, role == 0 ? 1 : 3, global_ns() - (timed ? tw : t0));
 }
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers * 32) : "memory"); }
 __device__ __forceinline__ void signal(unsigned* c) {  // after consumer_sync: every consumer's stores are done
@@ -307,6 +319,7 @@ __device__ void produce_drain(const Params& p, const Maps& maps, Smem& s, Stream
   for (;;) {
     const int k = st.k;
     mbar_wait(&s.empty[k], st.phase ^ 1, 2, k);
+    const long long t0 = g_stall_on ? global_ns() : 0;
     const int idx = (int)atomicAdd(&p.counters[ctr(l, C_CLAIM)], 1u);
     const DrainTile d = drain_tile(p, idx, n, dense);
     s.stage_tile[k] = d.kind < 0 ? -1 : idx;
@@ -321,6 +334,7 @@ __device__ void produce_drain(const Params& p, const Maps& maps, Smem& s, Stream
       first = false;
     };
     const int e = dense ? 0 : expert_of(p, l, d.slot);
+    if (g_stall_on) stall_add(0, 5, global_ns() - t0);
     if (d.kind == 0) {
       const int base = dense ? 0 : ((l - 1) * E + e) * 2 * I, width = dense ? DENSE_I : I;
       for (int g = d.g0; g < d.g0 + d.groups; ++g)
@@ -485,7 +499,9 @@ __device__ __forceinline__ float reduce_group(Smem& s, const float (&acc)[4], in
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 1, g = lane / 4, c = lane % 4;
   s.red[parity][warp][g * 8 + 2 * c] = acc[0];
   s.red[parity][warp][g * 8 + 2 * c + 1] = acc[1];
+  const long long t0 = g_stall_on ? global_ns() : 0;
   consumer_sync();
+  if (g_stall_on) stall_add(1, 4, global_ns() - t0);
   const int tid = threadIdx.x - 32;
   float v = 0.f;
   if (tid < 64)
@@ -1197,14 +1213,14 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
   long long* prof;
   CK(cudaMalloc(&prof, ntasks * 3 * 8));
   p.profile = prof;
-  unsigned long long zero[16][4] = {};
+  unsigned long long zero[16][6] = {};
   const int on = 1, off = 0;
   CK(cudaMemcpyToSymbol(g_stall, zero, sizeof zero));
   CK(cudaMemcpyToSymbol(g_stall_on, &on, sizeof on));
   launch();
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpyToSymbol(g_stall_on, &off, sizeof off));
-  unsigned long long stall[16][4];
+  unsigned long long stall[16][6];
   CK(cudaMemcpyFromSymbol(stall, g_stall, sizeof stall));
   p.profile = nullptr;
   std::vector<long long> h(ntasks * 3);
@@ -1233,12 +1249,13 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
   printf("  profile (layers 2-47, per task, us): ");
   for (int k = 1; k < 10; ++k)
     if (count[k]) printf("%s wait %.2f work %.2f (%.0f); ", names[k], wait[k] / count[k] / 1e3, work[k] / count[k] / 1e3, count[k]);
-  printf("\n  stalls per SM per step (us; producer empty/counter, consumers full/counter): ");
+  printf("\n  stalls per SM per step (us; producer empty/counter/claim, consumers full/counter/reduce): ");
   const double n_sm = (double)sched.per_sm.size();
   for (int k = 1; k < 10; ++k) {
     const unsigned long long* st = stall[k];
-    if (st[0] + st[1] + st[2] + st[3])
-      printf("%s %.0f/%.0f/%.0f/%.0f; ", names[k], st[0] / n_sm / 1e3, st[1] / n_sm / 1e3, st[2] / n_sm / 1e3, st[3] / n_sm / 1e3);
+    if (st[0] + st[1] + st[2] + st[3] + st[4] + st[5])
+      printf("%s %.0f/%.0f/%.0f %.0f/%.0f/%.0f; ", names[k], st[0] / n_sm / 1e3, st[1] / n_sm / 1e3, st[5] / n_sm / 1e3,
+             st[2] / n_sm / 1e3, st[3] / n_sm / 1e3, st[4] / n_sm / 1e3);
   }
   printf("\n  per layer per SM: busy %.1f us, gaps %.1f us\n  layer 25 from its first start (us): ",
          busy / 46 / sched.per_sm.size() / 1e3, gap / 46 / sched.per_sm.size() / 1e3);
