@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One device call: build the prototype with each ACC in $ACCS and run the same configs on each build.
-# Usage (device tool): ACCS="1 2" bash lab/megakernel_v2/device_ab.sh STEPS CONFIG...
+# One device call: build the prototype once per flag set in $VARIANTS (";"-separated, e.g. "-DACC=1;-DACC=2") and run
+# the same configs on each build.
+# Usage (device tool): VARIANTS="-DACC=2;-DACC=2 -DSTALLS=1" bash lab/megakernel_v2/device_ab.sh STEPS CONFIG...
 set -o pipefail
-out=${OUT:-/tmp}
 steps=${1:-20}; shift
-for a in ${ACCS:-1}; do
-  nvcc -O3 -DACC=$a -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_step_acc$a lab/megakernel_v2/stream_step.cu &
+IFS=';' read -r -a variants <<< "${VARIANTS:--DACC=2}"
+for i in "${!variants[@]}"; do
+  # shellcheck disable=SC2086  # a variant is a list of flags
+  nvcc -O3 ${variants[$i]} -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_step_v$i lab/megakernel_v2/stream_step.cu \
+    2>&1 | grep -E "error" &
 done
 wait
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-for a in ${ACCS:-1}; do
-  echo "== ACC=$a"
-  timeout 200 /tmp/stream_step_acc$a "$steps" "$@" 2>&1 | grep -v "^| ---\|^| B |"
+for i in "${!variants[@]}"; do
+  echo "== ${variants[$i]}"
+  timeout 200 /tmp/stream_step_v$i "$steps" "$@" 2>&1 | grep -v "^| ---\|^| B |"
 done
