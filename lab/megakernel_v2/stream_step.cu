@@ -43,6 +43,15 @@ typedef __nv_bfloat16 bf16;
 constexpr int H = 2048, HEADS = 32, KVH = 4, HD = 128, QSIZE = HEADS * HD, QKV_ROWS = QSIZE + 2 * KVH * HD;
 constexpr int E = 128, TOPK = 8, I = 768, DENSE_I = 3072, VOCAB = 262144, LAYERS = 49, PAGE = 64;
 constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_SPLITS = 64;
+// RG groups share one reduce: each warp keeps RG groups' partials in registers and the block meets once per RG
+// groups, not once per group (its warps then run up to 2 * RG * NK stages apart).
+#ifndef RG
+#define RG 1
+#endif
+// ATTN2: attention's split partial summed warp by warp without shared atomics, and S = q K^T in two mma chains.
+#ifndef ATTN2
+#define ATTN2 0
+#endif
 constexpr int kConsumers = 8, kThreads = 32 * (kConsumers + 1);
 constexpr int kStageBytes = 16384, kMaxStages = 14;
 constexpr int kHStride = H + 8;          // bf16, padded: conflict-free A loads
@@ -233,7 +242,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // ====  3. Shared memory and the stage stream  ==================================================
 // Dynamic shared memory: the fixed part, then h and act sized for the batch, then as many 16 KB ring stages as fit.
 struct Smem {
-  float red[2][kConsumers][64];  // per-group partials of the 8 warps
+  float red[2][kConsumers][64 * RG];  // per-group partials of the 8 warps, RG groups at a time
   float attn[GROUP][HD + 2];     // attention: the block's (O, m, l) per query head; merge: weights
   float warp_m[kConsumers][GROUP];
   uint64_t full[kMaxStages], empty[kMaxStages];
@@ -504,47 +513,55 @@ __device__ __forceinline__ void box_product(float (&acc)[ACC][4], const unsigned
   }
 }
 
-// Sum of the 8 warps' partials of one group: out[b * 8 + r] for batch row b, weight row r (thread < 64 reads it).
-__device__ __forceinline__ float reduce_group(Smem& s, const float (&acc)[4], int parity) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 1, g = lane / 4, c = lane % 4;
-  s.red[parity][warp][g * 8 + 2 * c] = acc[0];
-  s.red[parity][warp][g * 8 + 2 * c + 1] = acc[1];
-  const long long t0 = stall_timing() ? global_ns() : 0;
-  consumer_sync();
-  if (stall_timing()) stall_add(1, 4, global_ns() - t0);
-  const int tid = threadIdx.x - 32;
-  float v = 0.f;
-  if (tid < 64)
-    for (int w = 0; w < kConsumers; ++w) v += s.red[parity][w][tid];
-  return v;
-}
 
-// The product of `groups` 8-row groups of a matrix with `act`; epi(group, b, r, value) for b < B (thread < 64).
+// The product of `groups` 8-row groups of a matrix with `act`; epi(group, b, r, value) for b < B (thread < 64,
+// groups in order: an epilogue may carry a value from one group to the next).
 template <int NK, int KS, class Epi>
 __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, const bf16* act, int stride, Epi epi) {
-  const int lane = threadIdx.x % 32, tid = threadIdx.x - 32;
-  for (int g = 0; g < groups; ++g) {
-    float accs[ACC][4] = {};
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 1, tid = threadIdx.x - 32, gq = lane / 4, c = lane % 4;
+  constexpr bool kKeepA = NK * KS <= 16;  // the A fragments of every box stay in registers for the whole call
+  unsigned a_all[kKeepA ? NK : 1][KS][2];
+  if (kKeepA) {
 #pragma unroll
-    for (int kb = 0; kb < NK; ++kb) {
-      unsigned a[KS][2];
-      load_a<KS>(a, act, stride, p.batch, kb * KS * 8 * 16);
-      const int k = st.k;
-      mbar_wait(&s.full[k], st.phase);
-      box_product<KS>(accs, s.ring + (size_t)k * kStageBytes, a);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&s.empty[k]);
-      st.advance(s.stages);
+    for (int kb = 0; kb < (kKeepA ? NK : 1); ++kb) load_a<KS>(a_all[kb], act, stride, p.batch, kb * KS * 8 * 16);
+  }
+  int parity = 0;
+  for (int g0 = 0; g0 < groups; g0 += RG, parity ^= 1) {
+    const int n = min(RG, groups - g0);
+    float accs[RG][ACC][4] = {};
+#pragma unroll
+    for (int gi = 0; gi < RG; ++gi) {
+      if (gi >= n) break;
+#pragma unroll
+      for (int kb = 0; kb < NK; ++kb) {
+        unsigned a[KS][2];
+        if (!kKeepA) load_a<KS>(a, act, stride, p.batch, kb * KS * 8 * 16);
+        const int k = st.k;
+        mbar_wait(&s.full[k], st.phase);
+        box_product<KS>(accs[gi], s.ring + (size_t)k * kStageBytes, kKeepA ? a_all[kKeepA ? kb : 0] : a);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&s.empty[k]);
+        st.advance(s.stages);
+      }
     }
-    float acc[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc[i] = accs[0][i];
+    for (int gi = 0; gi < RG; ++gi) {
+      float v0 = accs[gi][0][0], v1 = accs[gi][0][1];
 #pragma unroll
-      for (int j = 1; j < ACC; ++j) acc[i] += accs[j][i];
+      for (int j = 1; j < ACC; ++j) { v0 += accs[gi][j][0]; v1 += accs[gi][j][1]; }
+      s.red[parity][warp][gi * 64 + gq * 8 + 2 * c] = v0;
+      s.red[parity][warp][gi * 64 + gq * 8 + 2 * c + 1] = v1;
     }
-    const float v = reduce_group(s, acc, g & 1);
-    if (tid < 64 && tid / 8 < p.batch) epi(g, tid / 8, tid % 8, v);
+    const long long t0 = stall_timing() ? global_ns() : 0;
+    consumer_sync();
+    if (stall_timing()) stall_add(1, 4, global_ns() - t0);
+    if (tid < 64)
+      for (int gi = 0; gi < n; ++gi) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kConsumers; ++w) v += s.red[parity][w][gi * 64 + tid];
+        if (tid / 8 < p.batch) epi(g0 + gi, tid / 8, tid % 8, v);
+      }
   }
 }
 
@@ -810,10 +827,12 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
   den = warp_sum(den);
   if (lane == 0) wts[GROUP * MAX_SPLITS + warp] = den;
   consumer_sync();
+  static_assert(GROUP * HD % (kConsumers * 32) == 0, "merge: whole rounds");
+#pragma unroll
   for (int i = tid; i < GROUP * HD; i += kConsumers * 32) {
     const int hq = i / HD, d = i % HD;
     float acc = 0.f;
-#pragma unroll 8
+#pragma unroll 16
     for (int sp = 0; sp < splits; ++sp) acc += wts[hq * MAX_SPLITS + sp] * __ldcg(&part[(sp * GROUP + hq) * (HD + 2) + d]);
     p.attn_out[b * QSIZE + (kvh * GROUP + hq) * HD + d] = __float2bfloat16(acc / wts[GROUP * MAX_SPLITS + hq]);
   }
@@ -840,13 +859,17 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
     int k = st.k;
     mbar_wait(&s.full[k], st.phase);
     const unsigned char* kpage = s.ring + (size_t)k * kStageBytes;
-    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < HD / 16; j += 2) {  // S = q K^T for the warp's 8 tokens
+    for (int j = 0; j < HD / 16; j += 2) {  // S = q K^T for the warp's 8 tokens (two chains when ATTN2)
       unsigned kb[4];
       ldsm_x4(kb, kv_addr(kpage, 8 * warp + lane % 8, 16 * j + 8 * (lane / 8)));
       mma(sc, qa[j][0], qa[j][1], kb[0], kb[1]);
-      mma(sc, qa[j + 1][0], qa[j + 1][1], kb[2], kb[3]);
+      mma(ATTN2 ? sc2 : sc, qa[j + 1][0], qa[j + 1][1], kb[2], kb[3]);
+    }
+    if (ATTN2) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[e] += sc2[e];
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[k]);
@@ -884,6 +907,27 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   // warp partials -> the split's (O, m, l) per query head: M = the warps' max, then each warp adds its scaled share
+#if ATTN2
+  // in turn, warp by warp (a shared-memory float atomicAdd is a CAS loop, and all 8 warps hit the same words)
+  if (c == 0) s.warp_m[warp][g] = m;
+  consumer_sync();
+  float mm = -INFINITY;
+  for (int w = 0; w < kConsumers; ++w) mm = fmaxf(mm, s.warp_m[w][g]);
+  const float f = m == -INFINITY ? 0.f : exp2f(m - mm);
+  for (int w = 0; w < kConsumers; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) {
+        float* dst = &s.attn[g][8 * n + 2 * c];
+        dst[0] = (w ? dst[0] : 0.f) + f * o[n][0];
+        dst[1] = (w ? dst[1] : 0.f) + f * o[n][1];
+      }
+      if (c == 0) s.attn[g][HD + 1] = (w ? s.attn[g][HD + 1] : 0.f) + f * l;
+      if (c == 0 && w == 0) s.attn[g][HD] = mm;
+    }
+    consumer_sync();
+  }
+#else
   if (c == 0) s.warp_m[warp][g] = m;
   for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) (&s.attn[0][0])[i] = 0.f;
   consumer_sync();
@@ -897,6 +941,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   if (c == 0) atomicAdd(&s.attn[g][HD + 1], f * l);
   if (c == 0 && warp == 0) s.attn[g][HD] = mm;
   consumer_sync();
+#endif
   float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
   for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
   consumer_sync();
