@@ -97,6 +97,7 @@ struct Params {
   int no_wait;             // 1: no dependency waits (wrong results; times the streams alone); 2: nor loads (the
                            // producer marks each stage full at once: times the consumers alone)
   long long* profile;      // null, or [tasks][3] ns: consumers' start, dependency met, end
+  long long* clocks;       // block 0's consumer thread 32: clock64 and globaltimer at its start and end
   int up_pairs, down_groups, o_groups;  // the drain's tile sizes
 };
 
@@ -1018,6 +1019,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
     if (threadIdx.x == 0) produce(p, maps, s, list, n);
     return;
   }
+  if (threadIdx.x == 32 && blockIdx.x == 0) { p.clocks[0] = clock64(); p.clocks[1] = global_ns(); }
   Stream st;
   for (int i = 0; i < n; ++i) {
     const Task t = list[i];
@@ -1036,6 +1038,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
     }
     if (p.profile && threadIdx.x == 32) p.profile[3 * (p.task_start[blockIdx.x] + i) + 2] = global_ns();
   }
+  if (threadIdx.x == 32 && blockIdx.x == 0) { p.clocks[2] = clock64(); p.clocks[3] = global_ns(); }
 }
 
 __global__ void fill_random(bf16* w, size_t n, unsigned seed, float scale) {
@@ -1384,6 +1387,7 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   CK(cudaMalloc(&p.part, (size_t)batch * KVH * MAX_SPLITS * GROUP * (HD + 2) * 4));
   CK(cudaMalloc(&p.attn_out, batch * QSIZE * 2)); CK(cudaMalloc(&p.lm_best, (size_t)lm_tasks * MAXB * 2 * 4));
   CK(cudaMalloc(&p.out_tokens, MAXB * 4));
+  CK(cudaMalloc(&p.clocks, 4 * 8));
 
   const size_t smem = smem_bytes(batch);
   CK(cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -1444,6 +1448,9 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   float ms;
   CK(cudaEventElapsedTime(&ms, e0, e1));
   ms /= steps;
+  long long clk[4];
+  CK(cudaMemcpy(clk, p.clocks, sizeof clk, cudaMemcpyDeviceToHost));
+  const double ghz = (double)(clk[2] - clk[0]) / (double)(clk[3] - clk[1]);
   if (cfg.profile) profile_report(sched, p, launch, flat.size());
   const int full_layers = (layers + 3) / 4, sliding = layers - full_layers;
   const double kv_tok = (double)full_layers * len + (double)sliding * std::min(len, WINDOW);
@@ -1457,14 +1464,14 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   if (cfg.drain)
     snprintf(lay + strlen(lay), sizeof lay - strlen(lay), " t%d/%d/%d", cfg.up_pairs, cfg.down_groups, cfg.o_groups);
   if (layers != LAYERS) snprintf(lay + strlen(lay), sizeof lay - strlen(lay), "=%d", layers);
-  printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %d |\n", batch, lay,
+  printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %d | %.2f |\n", batch, lay,
          no_wait == 2 ? " no-load" : no_wait ? " no-wait" : "", context, ms,
          batch * 1000.0 / ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12, 100.0 * bytes / 4.8e12 / (ms * 1e-3),
-         100.0 * bytes / copy_bw / (ms * 1e-3), layers > 1 ? experts / (layers - 1) : 0.0, sqrt(err / ref2), out[0]);
+         100.0 * bytes / copy_bw / (ms * 1e-3), layers > 1 ? experts / (layers - 1) : 0.0, sqrt(err / ref2), out[0], ghz);
   fflush(stdout);
   for (void* ptr : {(void*)kpool, (void*)vpool, (void*)d_tasks, (void*)d_start, (void*)d_tables, (void*)d_tokens,
                     (void*)p.counters, (void*)p.x, (void*)p.qkv, (void*)p.router, (void*)p.slots, (void*)p.slot_w,
-                    (void*)p.moe_act, (void*)p.part, (void*)p.attn_out, (void*)p.lm_best, (void*)p.out_tokens})
+                    (void*)p.moe_act, (void*)p.part, (void*)p.attn_out, (void*)p.lm_best, (void*)p.out_tokens, (void*)p.clocks})
     CK(cudaFree(ptr));
 }
 
@@ -1484,8 +1491,8 @@ int main(int argc, char** argv) {
   const double bw = measure_copy(sms, w.gate_up, w.gate_up + ((size_t)8 << 30));
   printf("copy bandwidth %.2f TB/s (read + written), %d SMs; ring stages B=1 %d, B=8 %d\n", bw / 1e12, sms, ring_stages(1),
          ring_stages(8));
-  printf("| B | context | ms/step | tok/s | GB/step | TB/s | SoL 4.8 | SoL copy | experts/layer | q rel err | token |\n");
-  printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  printf("| B | context | ms/step | tok/s | GB/step | TB/s | SoL 4.8 | SoL copy | experts/layer | q rel err | token | SM GHz |\n");
+  printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int i = 2; i < argc; ++i) {
     Config c;
     sscanf(argv[i], "%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", &c.batch, &c.context, &c.layers, &c.no_wait,
