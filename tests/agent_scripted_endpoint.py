@@ -109,6 +109,7 @@ class ScriptedEndpoint:
         self.finished = 0  # streams sent to the end
         self.context_len = context_len
         self.loading_polls = loading_polls  # /health answers 503 "loading weights" this many times first
+        self.kv_pages_used = 12  # of 48: what /metrics reports (a test changes it to see the status line follow)
         app = Starlette(middleware=[Middleware(_KeyCheck, endpoint=self)], routes=[
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models), Route("/health", self._health), Route("/metrics", self._metrics),
@@ -144,7 +145,7 @@ class ScriptedEndpoint:
         return JSONResponse({"status": "ok"})
 
     async def _metrics(self, request: Request) -> PlainTextResponse:
-        return PlainTextResponse("# TYPE northcode_kv_pages_used gauge\nnorthcode_kv_pages_used 12\n"
+        return PlainTextResponse(f"# TYPE northcode_kv_pages_used gauge\nnorthcode_kv_pages_used {self.kv_pages_used}\n"
                                  "# TYPE northcode_kv_pages_total gauge\nnorthcode_kv_pages_total 48\n")
 
     async def _chat(self, request: Request) -> StreamingResponse | JSONResponse:

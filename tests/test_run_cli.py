@@ -47,6 +47,13 @@ def test_mode_ask_denies_edits_headless(workspace, capsys):
     assert "✗" in capsys.readouterr().err
 
 
+def test_a_reply_that_only_reasoned_says_so(workspace, capsys):
+    with ScriptedEndpoint([text_reply("", reasoning="hmm, let me think")]) as endpoint:
+        code = main(["run", "-p", "hi", "--endpoint", endpoint.url, str(workspace)])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == "\n" and "the model only reasoned and gave no answer" in err
+
+
 def test_step_limit_is_a_failure(workspace, capsys):
     with ScriptedEndpoint([tool_reply(("list", {}))]) as endpoint:
         code = main(["run", "-p", "loop", "--max-steps", "1", "--json", "--endpoint", endpoint.url, str(workspace)])

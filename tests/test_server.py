@@ -324,6 +324,33 @@ def test_serve_prints_how_opencode_claude_code_and_codex_reach_it():
                                                      "env_key": "NORTHCODE_API_KEY", "wire_api": "responses"}
 
 
+def test_serve_warns_when_an_agents_own_prompt_does_not_fit_the_context():
+    from northcode.commands.serve import client_setup
+
+    small = client_setup("http://127.0.0.1:8123", "m", 4096, None).splitlines()  # the demo checkpoint's context
+    assert small[0].startswith("warning: OpenCode's own system prompt and tools take about 10,000 tokens and this "
+                               "server's context is 4,096: its first request will not fit.")
+    assert small[1] == "OpenCode: put this in opencode.json (or ~/.config/opencode/opencode.json):"
+    assert [line.split("'")[0] for line in small if line.startswith("warning: ")] == [
+        "warning: OpenCode", "warning: Claude Code", "warning: Codex CLI"]
+    assert [line for line in client_setup("http://x", "m", 32768, None).splitlines() if "warning" in line] == [
+        "warning: Claude Code's own system prompt and tools take about 40,000 tokens and this server's context is "
+        "32,768: its first request will not fit. Serve a model with a longer context (--model DIR; the context is "
+        "the model's, capped by the KV pool: --num-pages, --gpu-memory-fraction)."]
+    assert "warning" not in client_setup("http://x", "m", 262144, None)
+
+
+def test_unknown_routes_share_one_metrics_label(tiny_checkpoint, tok):
+    client, _, _ = make_client(tiny_checkpoint, tok.encode("x"), api_key="k")
+    for path in ("/v1/nothing", "/v1/a/b/c", "/v1/chat/completion", "/nothing"):
+        client.get(path, headers={"Authorization": "Bearer k"})
+        client.get(path)  # without the key: a 401, counted under the same label
+    client.get("/v1/responses/resp_abc", headers={"Authorization": "Bearer k"})
+    labels = {line.split('endpoint="')[1].split('"')[0] for line in client.get("/metrics").text.splitlines()
+              if line.startswith("northcode_requests_total{")}
+    assert labels == {"unknown", "/v1/responses/{id}"}
+
+
 def test_cors_only_for_the_allowed_origins(tiny_checkpoint, tok):
     preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}

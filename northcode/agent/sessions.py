@@ -26,6 +26,12 @@ CREATE TABLE IF NOT EXISTS messages (
     message_idx INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (session_id, message_idx));
 """
 MAX_TITLE_CHARS = 60
+UNTITLED = "(new session)"
+
+
+def session_title(text: str) -> str:
+    """A session's title: the first line of its first request, cut to MAX_TITLE_CHARS."""
+    return text.strip().splitlines()[0][:MAX_TITLE_CHARS] if text.strip() else UNTITLED
 
 
 @dataclass
@@ -51,12 +57,13 @@ class SessionStore:
     def close(self) -> None:
         self.db.close()
 
-    def create(self, workspace: Path, model: str) -> str:
+    def create(self, workspace: Path, model: str, title: str = UNTITLED) -> str:
+        """A new session; untitled, it takes its title from its first user message."""
         session_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         now = time.time()
         with self.db:
             self.db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
-                            (session_id, "(new session)", str(workspace), model, now, now))
+                            (session_id, title, str(workspace), model, now, now))
         return session_id
 
     def append(self, session_id: str, message: dict) -> None:
@@ -66,9 +73,8 @@ class SessionStore:
             self.db.execute("INSERT INTO messages VALUES (?, ?, ?)", (session_id, num_messages, json.dumps(message)))
             self.db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (time.time(), session_id))
             if message.get("role") == "user" and isinstance(message.get("content"), str):
-                title = message["content"].strip().splitlines()[0][:MAX_TITLE_CHARS] if message["content"].strip() else ""
-                self.db.execute("UPDATE sessions SET title = ? WHERE id = ? AND title = '(new session)'",
-                                (title or "(new session)", session_id))
+                self.db.execute("UPDATE sessions SET title = ? WHERE id = ? AND title = ?",
+                                (session_title(message["content"]), session_id, UNTITLED))
 
     def truncate(self, session_id: str, num_messages: int) -> None:
         """Delete the session's messages from index `num_messages` on (a prompt taken back); a
@@ -110,10 +116,12 @@ class SessionStore:
 
 class SessionRecorder:
     """Saves one conversation's messages as they are appended; the session row is created with
-    the first user message, so starting the app and leaving leaves no empty session behind."""
+    the first user message, so starting the app and leaving leaves no empty session behind.
+    `title` names a new session whose first user message is not its request (a compacted one)."""
 
-    def __init__(self, store: SessionStore, workspace: Path, model: str, session_id: str | None = None) -> None:
-        self.store, self.workspace, self.model = store, workspace, model
+    def __init__(self, store: SessionStore, workspace: Path, model: str, session_id: str | None = None,
+                 title: str = UNTITLED) -> None:
+        self.store, self.workspace, self.model, self.title = store, workspace, model, title
         self.session_id = session_id
         self.unsaved: list[dict] = []  # messages before the first user message (the system prompt)
 
@@ -123,7 +131,7 @@ class SessionRecorder:
             return
         self.unsaved.append(message)
         if message.get("role") == "user":
-            self.session_id = self.store.create(self.workspace, self.model)
+            self.session_id = self.store.create(self.workspace, self.model, self.title)
             for earlier in self.unsaved:
                 self.store.append(self.session_id, earlier)
             self.unsaved = []

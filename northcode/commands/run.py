@@ -136,6 +136,10 @@ def _outcome(args: argparse.Namespace, result, transcript: dict) -> int:
     limit = "" if args.max_tokens is None else f" (--max-tokens {args.max_tokens})"
     if result.stop_reason == "length":
         _progress(f"northcode run: the answer was cut off at the token limit{limit}")
+    last = result.last
+    if result.stop_reason in ("done", "length") and last is not None and not last.content.strip():
+        _progress("northcode run: the model only reasoned and gave no answer (its reasoning is in --json's messages)"
+                  if last.reasoning.strip() else "northcode run: the model's answer was empty")
     if result.stop_reason == "step_limit":
         transcript["error"] = f"stopped at the step limit ({args.max_steps} model calls) before an answer"
         return EXIT_STEP_LIMIT

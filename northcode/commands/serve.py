@@ -3,7 +3,7 @@
 uvicorn starts first and the model loads in a background thread, so GET /health answers 503
 with the loading phase until the engine is ready. Loopback only unless --host says otherwise.
 When the model is ready the URL, the decode backend (and why it was chosen) and an OpenCode
-provider snippet are printed. `--backend megakernel` where the megakernel cannot run is refused at
+provider snippet are printed, with a warning for each agent whose own prompt does not fit the context. `--backend megakernel` where the megakernel cannot run is refused at
 once (exit 2, the reason in one line), before uvicorn starts or a weight is read.
 
 If the engine fails for good while serving (a step that never returns: a lost GPU), /health answers
@@ -24,6 +24,11 @@ import threading
 
 HELP = "serve the model on a local OpenAI-compatible endpoint"
 FORCE_EXIT_AFTER_S = 5.0  # after a fatal engine error: how long uvicorn may wait for open connections
+CLIENT_PROMPT_TOKENS = {  # a client's own system prompt and tools: its first request before the user's words
+    "OpenCode": 10_000,  # 9,641 and 10,969 tokens for "hi" in reports (anomalyco/opencode#17304, #9611)
+    "Codex CLI": 19_000,  # its first request to northcode serve (docs/server.md)
+    "Claude Code": 40_000,  # with the tiny checkpoint's tokenizer (docs/server.md)
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +61,26 @@ def opencode_snippet(base_url: str, model_name: str, context: int, api_key: str 
                                 "tool_call": True, "reasoning": True}},
     }}
     return json.dumps({"$schema": "https://opencode.ai/config.json", "provider": provider}, indent=2)
+
+
+def prompt_fit_warning(client: str, context: int) -> str:
+    """A warning line when `client`'s own prompt does not fit a `context` of that many tokens, else ''."""
+    needed = CLIENT_PROMPT_TOKENS[client]
+    if context >= needed:
+        return ""
+    return (f"warning: {client}'s own system prompt and tools take about {needed:,} tokens and this server's "
+            f"context is {context:,}: its first request will not fit. Serve a model with a longer context "
+            f"(--model DIR; the context is the model's, capped by the KV pool: --num-pages, --gpu-memory-fraction).")
+
+
+def client_setup(base_url: str, model_name: str, context: int, api_key: str | None) -> str:
+    """The ready banner's part for other agents: OpenCode's snippet, then Claude Code's and Codex CLI's setup,
+    each after a warning when its prompt does not fit the context."""
+    opencode = ["OpenCode: put this in opencode.json (or ~/.config/opencode/opencode.json):",
+                opencode_snippet(base_url, model_name, context, api_key)]
+    warnings = [prompt_fit_warning(client, context) for client in ("OpenCode", "Claude Code", "Codex CLI")]
+    return "\n".join([line for line in warnings[:1] if line] + opencode + [line for line in warnings[1:] if line]
+                     + [agent_cli_setup(base_url, model_name, context, api_key)])
 
 
 def agent_cli_setup(base_url: str, model_name: str, context: int, api_key: str | None) -> str:
@@ -158,9 +183,7 @@ def _announce_when_ready(state, server, args: argparse.Namespace, outcome: dict)
     print(f"  serving {model_display_name(state.model_dir)} from {state.model_dir}", file=sys.stderr)
     stats = state.engine.stats()
     print(f"  backend: {stats['backend']} ({stats['backend_reason']})", file=sys.stderr)
-    print("OpenCode: put this in opencode.json (or ~/.config/opencode/opencode.json):", file=sys.stderr)
-    print(opencode_snippet(base_url, state.options.model_name, state.engine.max_model_len, args.api_key), file=sys.stderr)
-    print(agent_cli_setup(base_url, state.options.model_name, state.engine.max_model_len, args.api_key), file=sys.stderr)
+    print(client_setup(base_url, state.options.model_name, state.engine.max_model_len, args.api_key), file=sys.stderr)
     _stop_when_the_engine_fails(state, server)
 
 

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from northcode.agent.sandbox import Workspace
     from northcode.agent.sessions import SessionStore
     from northcode.tui.app import NorthcodeApp
+    from northcode.tui.terminal import driver_class
 
     workspace = Workspace(args.path)  # ValueError (a clear message) when PATH is not a folder
     if args.endpoint is not None:
@@ -49,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
         if not sessions:
             raise ValueError(f"--continue: no saved session for {workspace.root}")
         resume = sessions[0].id
+    driver = driver_class()  # draws on stdout or /dev/tty when stderr is redirected; NoTerminalError without either
     app = NorthcodeApp(workspace.root, endpoint=args.endpoint, model=model_dir, mode=Mode.parse(args.mode),
-                       resume=resume, store=store)
+                       resume=resume, store=store, driver_class=driver)
     app.run()
     if app.session_id is not None:
         print(f"northcode: session {app.session_id} saved; `northcode -c` resumes it")

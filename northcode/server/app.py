@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -34,6 +35,7 @@ from northcode.server.state import ServerState
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (monitoring)
+UNKNOWN_ROUTE = "unknown"  # /metrics' one label for every path no route serves (each its own would grow without end)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -148,11 +150,16 @@ def _unexpected_response(scope, exc: Exception) -> JSONResponse:
 
 
 class GuardMiddleware:
-    """API-key check (Authorization: Bearer KEY, or x-api-key) and the per-endpoint request counter."""
+    """API-key check (Authorization: Bearer KEY, or x-api-key) and the per-endpoint request counter, whose
+    label is the route's path ("/v1/responses/{id}" for every id), UNKNOWN_ROUTE where no route matches."""
 
-    def __init__(self, app, state: ServerState) -> None:
+    def __init__(self, app, state: ServerState, routes: list[Route]) -> None:
         self.app = app
         self.state = state
+        self.labels = [(route.path_regex, re.sub(r"\{\w+\}", "{id}", route.path)) for route in routes]
+
+    def endpoint_label(self, path: str) -> str:
+        return next((label for regex, label in self.labels if regex.match(path)), UNKNOWN_ROUTE)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -162,7 +169,7 @@ class GuardMiddleware:
         if key and path not in OPEN_PATHS and not _has_key(scope, key):
             body = RequestError("missing or wrong API key: send Authorization: Bearer <key> (or x-api-key: <key>)", status=401,
                                 code="invalid_api_key")
-            self.state.metrics.count_request(path, 401)
+            self.state.metrics.count_request(self.endpoint_label(path), 401)
             return await _error_response(401, body.body(), {"WWW-Authenticate": "Bearer"}, path)(scope, receive, send)
         status = {}
 
@@ -179,8 +186,7 @@ class GuardMiddleware:
             await _unexpected_response(scope, exc)(scope, receive, send_recording)
         finally:
             if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
-                endpoint = "/v1/responses/{id}" if path.startswith("/v1/responses/") else path  # one label, not one per id
-                self.state.metrics.count_request(endpoint, status.get("code", 500))
+                self.state.metrics.count_request(self.endpoint_label(path), status.get("code", 500))
 
 
 def _has_key(scope, key: str) -> bool:
@@ -209,7 +215,7 @@ def create_app(state: ServerState) -> Starlette:
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.server = state
     app.state.response_store = ResponseStore()  # /v1/responses kept for previous_response_id
-    app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(GuardMiddleware, state=state, routes=routes)
     if state.options.allowed_origins:  # outermost: a browser's preflight is answered before the API-key check
         app.add_middleware(CORSMiddleware, allow_origins=list(state.options.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 from textual import work
@@ -31,7 +32,7 @@ from northcode.agent.metrics import kv_usage
 from northcode.agent.sandbox import Workspace
 from northcode.agent.served_model import ServedModel, describe_served_model
 from northcode.agent.session_stats import StreamRate, usage_changes
-from northcode.agent.sessions import SessionRecorder, SessionStore
+from northcode.agent.sessions import UNTITLED, SessionRecorder, SessionStore, session_title
 from northcode.agent.tools import PreparedCall, ToolBox
 from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
 from northcode.tui.slash import SlashCommands
@@ -40,6 +41,7 @@ from northcode.tui.widgets import AssistantMessage, Notice, PromptInput, StatusL
 log = logging.getLogger(__name__)
 RANDOM_WEIGHTS_NOTICE = ("This model's weights are random (a demo or synthetic checkpoint): its answers are noise, "
                          "and it will rarely call a tool. Start northcode with --model DIR for a real model.")
+QUIT_PRESS_S = 2.0  # a second Ctrl+C at an idle, empty prompt within this quits
 
 
 class NorthcodeApp(App):
@@ -47,8 +49,8 @@ class NorthcodeApp(App):
     TITLE = "northcode"
     BINDINGS = [
         Binding("escape", "stop", "stop", show=False),
-        # Ctrl+C stops an answer, as in other terminal agents; when idle it falls through (copy, quit hint)
-        Binding("ctrl+c", "stop_answer", "stop", show=False, priority=True),
+        # Ctrl+C stops an answer, as in other terminal agents; idle: copy, clear the prompt, or quit (twice)
+        Binding("ctrl+c", "interrupt", "stop", show=False, priority=True),
         Binding("shift+tab", "cycle_mode", "mode", priority=True),
         Binding("ctrl+n", "new_session", "new"),
         Binding("ctrl+s", "sessions", "sessions"),
@@ -58,8 +60,8 @@ class NorthcodeApp(App):
 
     def __init__(self, workspace: Path, endpoint: str | None = None, model: Path | None = None,
                  mode: Mode = Mode.ASK, resume: str | None = None, store: SessionStore | None = None,
-                 request_params: dict | None = None) -> None:
-        super().__init__()
+                 request_params: dict | None = None, driver_class=None) -> None:
+        super().__init__(driver_class=driver_class)  # None: Textual's; tui/terminal.py's when stderr is redirected
         self.workspace = Workspace(workspace)
         self.endpoint, self.model_dir, self.resume_id = endpoint, model, resume
         self.store = store or SessionStore()
@@ -72,6 +74,9 @@ class NorthcodeApp(App):
         self.served: ServedModel | None = None
         self.model_label = ""
         self.current: AssistantMessage | None = None
+        self.last_answer: AssistantMessage | None = None  # the latest answer whose stream has ended
+        self.tool_running = False  # between a tool call's start and its result: no request is open
+        self.quit_armed_at: float | None = None  # when an idle Ctrl+C said that another one quits
         self.tool_views: dict[str, ToolCallView] = {}
         self.pending_calls: dict[int, tuple[ToolCallView, str, int]] = {}  # call index -> (view, name, characters)
         self.stream_rate = StreamRate()
@@ -158,10 +163,11 @@ class NorthcodeApp(App):
     def session_id(self) -> str | None:
         return self.recorder.session_id if self.recorder else None
 
-    def start_session(self, messages: list[dict] | None = None, session_id: str | None = None) -> None:
+    def start_session(self, messages: list[dict] | None = None, session_id: str | None = None,
+                      title: str = UNTITLED) -> None:
         """A new conversation (or a resumed one); a turn still running keeps saving to its own session."""
         assert self.client is not None
-        self.recorder = SessionRecorder(self.store, self.workspace.root, self.client.model or "", session_id)
+        self.recorder = SessionRecorder(self.store, self.workspace.root, self.client.model or "", session_id, title)
         self.agent = Agent(self.client, self.toolbox, self.approvals, messages=messages, on_message=self.recorder.save,
                            on_retract=self.recorder.retract, on_event=self.on_agent_event,
                            request_params=self.request_params)
@@ -231,6 +237,9 @@ class NorthcodeApp(App):
             await self.show_stop_reason(result)
         except asyncio.CancelledError:
             await self.end_stream()
+            if not self.tool_running:  # a request was open: its cache share will never be known
+                self.status.show(cache_share=None)
+            self.refresh_metrics_soon()  # the server frees the request's KV pages
             taken_back = len(agent.messages) == num_before
             await self.add(Notice("interrupted before any answer: your message is back in the prompt" if taken_back
                                   and self.restore_prompt(text) else "interrupted"))
@@ -246,6 +255,7 @@ class NorthcodeApp(App):
             await self.add(Notice(f"internal error: {type(err).__name__}: {err}", "error"))
         finally:
             self.status.show(busy="")
+            self.tool_running = False
         await self.refresh_metrics()
 
     @work(exclusive=True, group="turn", exit_on_error=False)
@@ -264,7 +274,7 @@ class NorthcodeApp(App):
         finally:
             self.status.show(busy="")
         messages = compacted(agent.messages, summary.content)
-        self.start_session(messages)
+        self.start_session(messages, title=session_title(first_request(agent.messages)))
         self.agent.notes = agent.notes  # an /undo the model has not yet been told of
         for message in messages:
             self.recorder.save(message)
@@ -288,6 +298,14 @@ class NorthcodeApp(App):
         return True
 
     async def show_stop_reason(self, result: TurnResult) -> None:
+        last = result.last
+        if last is not None and not last.content.strip() and not last.tool_calls:
+            if last.reasoning.strip() and self.last_answer is not None:
+                self.last_answer.fold.collapsed = False  # the reasoning is all there is
+                await self.add(Notice("The model only reasoned and gave no answer (its reasoning is above). "
+                                      "Ask again, or ask it to answer.", "warning"))
+            elif not last.reasoning.strip():
+                await self.add(Notice("The model's answer was empty.", "warning"))
         if result.stop_reason == "step_limit":
             await self.add(Notice(f"Stopped after {result.num_steps} model calls (the step limit).", "error"))
         elif result.stop_reason == "length":
@@ -296,6 +314,11 @@ class NorthcodeApp(App):
             names = ", ".join(call.name or "?" for call in result.truncated_calls)
             await self.add(Notice(f"The answer was cut off at the token limit while the model was writing a call "
                                   f"({names}): nothing was run. Ask again, perhaps for a smaller step.", "error"))
+
+    def refresh_metrics_soon(self) -> None:
+        """After an interrupted request: at once, and again once the server has had time to free its pages."""
+        for delay_s in (0.0, 1.0):
+            self.set_timer(delay_s, self.refresh_metrics)
 
     async def poll_metrics_while_busy(self) -> None:
         if self.is_busy:
@@ -316,11 +339,13 @@ class NorthcodeApp(App):
             await self.end_stream()
             self.status.show(**usage_changes(event))
         elif event.output is None:
+            self.tool_running = True
             self.status.show(busy=f"running {event.call.name}…")
             prepared = event.prepared
             view = ToolCallView(prepared.title, prepared.preview, prepared.kind) if prepared else ToolCallView(event.call.name)
             await self.add_tool_view(event.call.id, view)
         else:
+            self.tool_running = False
             view = self.tool_views.get(event.call.id)
             if view is None:  # a call that never announced its start
                 view = await self.add_tool_view(event.call.id, ToolCallView(event.call.name))
@@ -331,7 +356,7 @@ class NorthcodeApp(App):
         """The streamed text ends (a tool call starts): render it whole."""
         if self.current is not None:
             await self.current.finish()
-            self.current = None
+            self.last_answer, self.current = self.current, None
 
     async def on_delta(self, delta: Delta) -> None:
         if changes := self.stream_rate.changes(delta):  # TTFT at the first fragment, then the live rate
@@ -367,16 +392,29 @@ class NorthcodeApp(App):
 
     # --- actions ---
 
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "stop_answer":
-            return self.is_busy  # False: the key goes on to the other ctrl+c bindings
-        return super().check_action(action, parameters)
-
     def action_stop(self) -> None:
         if self.is_busy:
             self.workers.cancel_group(self, "turn")
 
-    action_stop_answer = action_stop  # ctrl+c's name: check_action lets it fall through when idle
+    def action_interrupt(self) -> None:
+        """Ctrl+C: stop the answer; idle, copy the prompt's selection, else clear the prompt (Up brings it back),
+        else say that another Ctrl+C quits, and quit on one within QUIT_PRESS_S."""
+        if self.is_busy:
+            self.action_stop()
+            return
+        prompt = self.query_one(PromptInput)
+        on_prompt = self.screen is self.screen_stack[0]
+        if on_prompt and prompt.selected_text:
+            prompt.action_copy()
+            self.notify("copied to the clipboard")
+        elif on_prompt and prompt.text.strip():
+            prompt.stash()
+            self.notify("prompt cleared: Up brings it back")
+        elif self.quit_armed_at is not None and time.monotonic() - self.quit_armed_at < QUIT_PRESS_S:
+            self.exit()
+        else:
+            self.quit_armed_at = time.monotonic()
+            self.notify("Nothing to stop. Press Ctrl+C again to quit (or Ctrl+Q).", timeout=QUIT_PRESS_S)
 
     def action_cycle_mode(self) -> None:
         self.set_mode(self.approvals.mode.next())

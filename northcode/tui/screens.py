@@ -129,9 +129,12 @@ HELP_TEXT = f"""\
 | Ctrl+J | new line in the prompt |
 | Up / Down | previous / next prompt (on the first / last line) |
 | Esc, Ctrl+C | stop the answer now (the server stops generating); Esc also denies an approval |
+| Ctrl+C (idle) | copy the selection, else clear the prompt (Up brings it back); on an empty prompt, twice: quit |
 | Shift+Tab | next mode: ask → auto-edit → full-auto |
 | Ctrl+N | new session |
 | Ctrl+S | sessions |
+| Ctrl+P | command palette: the app's commands, searchable |
+| F1 | this page (F1 or Esc closes it) |
 | Ctrl+Q | quit |
 
 **Commands**

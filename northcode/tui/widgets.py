@@ -30,17 +30,14 @@ class PromptInput(TextArea):
                          placeholder="Ask, or /help for commands. @path attaches a file.", **kwargs)
         self.prompt_history: list[str] = []
         self.history_idx = 0  # == len(history) when editing a new prompt
+        self.draft = ""  # the unsent prompt, kept while Up and Down walk the history
 
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            text = self.text.strip()
+            text = self.stash()
             if text:
-                if not self.prompt_history or self.prompt_history[-1] != text:
-                    self.prompt_history.append(text)
-                self.history_idx = len(self.prompt_history)
-                self.clear()
                 self.post_message(self.Submitted(text))
             return
         if event.key in ("ctrl+j", "shift+enter"):
@@ -63,9 +60,21 @@ class PromptInput(TextArea):
             self._show_history(self.history_idx + 1)
         # other keys: Textual goes on to TextArea._on_key (handlers run down the MRO)
 
+    def stash(self) -> str:
+        """Empty the prompt into the history (Up brings it back); its text, stripped."""
+        text = self.text.strip()
+        if text and (not self.prompt_history or self.prompt_history[-1] != text):
+            self.prompt_history.append(text)
+        self.history_idx = len(self.prompt_history)
+        self.draft = ""
+        self.clear()
+        return text
+
     def _show_history(self, idx: int) -> None:
+        if self.history_idx == len(self.prompt_history):
+            self.draft = self.text
         self.history_idx = idx
-        self.text = self.prompt_history[idx] if idx < len(self.prompt_history) else ""
+        self.text = self.prompt_history[idx] if idx < len(self.prompt_history) else self.draft
         self.move_cursor(self.document.end)
 
 
