@@ -52,14 +52,7 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef ATTN2
 #define ATTN2 0
 #endif
-// CONSUMERS=4 runs two blocks of 1 producer + 4 consumer warps on each SM, each with half the shared memory: two task
-// lists in flight per SM, so that one block's serial latencies (fences, L2 reads, barriers) overlap the other's work.
-#ifndef CONSUMERS
-#define CONSUMERS 8
-#endif
-constexpr int kConsumers = CONSUMERS, kThreads = 32 * (kConsumers + 1), kBlocksPerSm = 8 / kConsumers;
-static_assert(kConsumers == 8 || kConsumers == 4, "4 or 8 consumer warps");
-constexpr int kKS1024 = 64 / kConsumers, kKS768 = 48 / kConsumers;  // k16 steps a warp takes of a 1024 / 768 box
+constexpr int kConsumers = 8, kThreads = 32 * (kConsumers + 1);
 constexpr int kStageBytes = 16384, kMaxStages = 14;
 constexpr int kHStride = H + 8;          // bf16, padded: conflict-free A loads
 constexpr int kActStride = QSIZE + 8;    // bf16
@@ -267,8 +260,7 @@ __host__ __device__ inline size_t act_bytes(int batch) {
   const size_t q = (size_t)GROUP * kQStride * 2, rows = (size_t)batch * kActStride * 2;
   return round_up(rows > q ? rows : q, 1024);
 }
-// bytes a block may have on sm_90 (228 KB an SM, less 1 KB each block reserves)
-constexpr size_t kSmemLimit = kBlocksPerSm == 1 ? 232448 : 115712;
+constexpr size_t kSmemLimit = 232448;  // bytes a block may have on sm_90
 __host__ __device__ inline int ring_stages(int batch) {
   const size_t fixed = round_up(sizeof(Smem), 1024) + 1024 + h_bytes(batch) + act_bytes(batch);
   const size_t fit = (kSmemLimit - fixed) / kStageBytes;
@@ -455,44 +447,36 @@ __device__ __forceinline__ void x_cols(const Params& p, int l, int b, int c, flo
 }
 
 __device__ void load_h(const Params& p, Smem& s, int l) {
-  constexpr int kCols = H / (32 * kConsumers) / 8;  // 8-column chunks a thread takes
-  static_assert(H == 8 * 32 * kConsumers * kCols, "load_h: whole chunks");
+  static_assert(H == 8 * 32 * kConsumers, "load_h: 8 columns a thread");
   if (s.h_layer == l) return;
-  const int tid = threadIdx.x - 32, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x - 32, warp = tid / 32, lane = tid % 32, c = 8 * tid;
   float* sums = s.red[1][0];  // [B][warps]
 #pragma unroll
   for (int b = 0; b < MAXB; ++b) {
     if (b >= p.batch) break;
+    float v[8];
+    x_cols(p, l, b, c, v);
     float ss = 0.f;
 #pragma unroll
-    for (int q = 0; q < kCols; ++q) {
-      float v[8];
-      x_cols(p, l, b, 8 * (tid + 32 * kConsumers * q), v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
-    }
+    for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
     ss = warp_sum(ss);
     if (lane == 0) sums[b * kConsumers + warp] = ss;
   }
   consumer_sync();
+  const uint4 gw = *reinterpret_cast<const uint4*>(&p.norms[(size_t)l * H + c]);
+  const bf16* gamma = reinterpret_cast<const bf16*>(&gw);
   for (int b = 0; b < p.batch; ++b) {
     float ss = 0.f;
     for (int w = 0; w < kConsumers; ++w) ss += sums[b * kConsumers + w];
     const float rstd = rsqrtf(ss / H + 1e-6f);
+    float v[8];
+    x_cols(p, l, b, c, v);
+    uint4 o;
+    unsigned* ow = reinterpret_cast<unsigned*>(&o);
 #pragma unroll
-    for (int q = 0; q < kCols; ++q) {
-      const int c = 8 * (tid + 32 * kConsumers * q);
-      const uint4 gw = *reinterpret_cast<const uint4*>(&p.norms[(size_t)l * H + c]);
-      const bf16* gamma = reinterpret_cast<const bf16*>(&gw);
-      float v[8];
-      x_cols(p, l, b, c, v);
-      uint4 o;
-      unsigned* ow = reinterpret_cast<unsigned*>(&o);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        ow[j] = pack_bf16(v[2 * j] * rstd * __bfloat162float(gamma[2 * j]), v[2 * j + 1] * rstd * __bfloat162float(gamma[2 * j + 1]));
-      *reinterpret_cast<uint4*>(&s.h[b * kHStride + c]) = o;
-    }
+    for (int j = 0; j < 4; ++j)
+      ow[j] = pack_bf16(v[2 * j] * rstd * __bfloat162float(gamma[2 * j]), v[2 * j + 1] * rstd * __bfloat162float(gamma[2 * j + 1]));
+    *reinterpret_cast<uint4*>(&s.h[b * kHStride + c]) = o;
   }
   consumer_sync();
   if (threadIdx.x == 32) s.h_layer = l;
@@ -606,7 +590,7 @@ __device__ void consume_qkv(const Params& p, Smem& s, Stream& st, const Task& t)
   wait_for(p, t.wait, t.target);
   load_h(p, s, t.layer);
   const int row0 = 8 * t.a[0];
-  consume_rows<2, kKS1024>(p, s, st, t.a[1], s.h, kHStride, [&](int g, int b, int r, float v) {
+  consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride, [&](int g, int b, int r, float v) {
     p.qkv[b * QKV_ROWS + row0 + 8 * g + r] = __float2bfloat16(v);
   });
   add_residual(p, t);
@@ -620,7 +604,7 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   wait_for(p, t.wait, t.target);
   load_h(p, s, t.layer);
   const int row0 = 8 * t.a[0];
-  consume_rows<2, kKS1024>(p, s, st, t.a[1], s.h, kHStride,
+  consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride,
                      [&](int g, int b, int r, float v) { p.router[b * E + row0 + 8 * g + r] = v; });
   __threadfence();
   consumer_sync();
@@ -645,7 +629,7 @@ __device__ void consume_oproj(const Params& p, Smem& s, Stream& st, const Task& 
   consumer_sync();
   float* x_next = p.x + (size_t)(t.layer + 1) * p.batch * H;
   const int row0 = 8 * t.a[0];
-  consume_rows<4, kKS1024>(p, s, st, t.a[1], s.act, kActStride,
+  consume_rows<4, 8>(p, s, st, t.a[1], s.act, kActStride,
                      [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
   finish(p, t);
 }
@@ -714,7 +698,7 @@ __device__ void consume_up(const Params& p, Smem& s, Stream& st, const Task& t) 
   bf16* out = p.moe_act + (size_t)(slot < 0 ? MAX_SLOTS : slot) * p.batch * DENSE_I;
   const int width = slot < 0 ? DENSE_I : I;
   float gate = 0.f;
-  consume_rows<2, kKS1024>(p, s, st, 2 * t.a[2], s.h, kHStride, [&](int g, int b, int r, float v) {
+  consume_rows<2, 8>(p, s, st, 2 * t.a[2], s.h, kHStride, [&](int g, int b, int r, float v) {
     if (g % 2 == 0) { gate = v; return; }
     out[b * width + 8 * (t.a[1] + g / 2) + r] = __float2bfloat16(silu(gate) * v);
   });
@@ -739,8 +723,8 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
     const float wb = slot < 0 ? 1.f : __ldcg(&w[b]);
     if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
   };
-  if (slot < 0) consume_rows<3, kKS1024>(p, s, st, t.a[2], s.act, kActStride, epi);
-  else consume_rows<1, kKS768>(p, s, st, t.a[2], s.act, kActStride, epi);
+  if (slot < 0) consume_rows<3, 8>(p, s, st, t.a[2], s.act, kActStride, epi);
+  else consume_rows<1, 6>(p, s, st, t.a[2], s.act, kActStride, epi);
   finish(p, t);
 }
 
@@ -781,7 +765,7 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
       load_h(p, s, l);
       bf16* out = p.moe_act + (size_t)slot_buf * p.batch * DENSE_I;
       float gate = 0.f;
-      consume_rows<2, kKS1024>(p, s, st, 2 * d.groups, s.h, kHStride, [&](int g, int b, int r, float v) {
+      consume_rows<2, 8>(p, s, st, 2 * d.groups, s.h, kHStride, [&](int g, int b, int r, float v) {
         if (g % 2 == 0) { gate = v; return; }
         out[b * width + 8 * (d.g0 + g / 2) + r] = __float2bfloat16(silu(gate) * v);
       });
@@ -797,13 +781,13 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
         const float wb = dense ? 1.f : __ldcg(&w[b]);
         if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
       };
-      if (dense) consume_rows<3, kKS1024>(p, s, st, d.groups, s.act, kActStride, epi);
-      else consume_rows<1, kKS768>(p, s, st, d.groups, s.act, kActStride, epi);
+      if (dense) consume_rows<3, 8>(p, s, st, d.groups, s.act, kActStride, epi);
+      else consume_rows<1, 6>(p, s, st, d.groups, s.act, kActStride, epi);
     } else {
       spin_consumers(p, ctr(l, C_ATTN), p.batch * KVH);
       load_act(s, p.attn_out, p.batch, QSIZE);
       const int row0 = 8 * d.g0;
-      consume_rows<4, kKS1024>(p, s, st, d.groups, s.act, kActStride,
+      consume_rows<4, 8>(p, s, st, d.groups, s.act, kActStride,
                          [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
     }
   }
@@ -825,26 +809,24 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
   const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - 32, warp = tid / 32, lane = tid % 32, splits = t.a[3];
   const float* part = p.part + ((size_t)(b * KVH + kvh) * MAX_SPLITS) * GROUP * (HD + 2);
   float* wts = &s.attn[0][0];  // [GROUP][MAX_SPLITS], then den [GROUP]
-  for (int hq = warp; hq < GROUP; hq += kConsumers) {
-    float m[2], l[2];
+  float m[2], l[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int sp = lane + 32 * i;
-      m[i] = sp < splits ? __ldcg(&part[(sp * GROUP + hq) * (HD + 2) + HD]) : -INFINITY;
-      l[i] = sp < splits ? __ldcg(&part[(sp * GROUP + hq) * (HD + 2) + HD + 1]) : 0.f;
-    }
-    float mx = fmaxf(m[0], m[1]);
-    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float den = 0.f;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float w = m[i] == -INFINITY ? 0.f : exp2f(m[i] - mx);
-      if (lane + 32 * i < MAX_SPLITS) wts[hq * MAX_SPLITS + lane + 32 * i] = w;
-      den += w * l[i];
-    }
-    den = warp_sum(den);
-    if (lane == 0) wts[GROUP * MAX_SPLITS + hq] = den;
+  for (int i = 0; i < 2; ++i) {
+    const int sp = lane + 32 * i;
+    m[i] = sp < splits ? __ldcg(&part[(sp * GROUP + warp) * (HD + 2) + HD]) : -INFINITY;
+    l[i] = sp < splits ? __ldcg(&part[(sp * GROUP + warp) * (HD + 2) + HD + 1]) : 0.f;
   }
+  float mx = fmaxf(m[0], m[1]);
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float den = 0.f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float w = m[i] == -INFINITY ? 0.f : exp2f(m[i] - mx);
+    if (lane + 32 * i < MAX_SPLITS) wts[warp * MAX_SPLITS + lane + 32 * i] = w;
+    den += w * l[i];
+  }
+  den = warp_sum(den);
+  if (lane == 0) wts[GROUP * MAX_SPLITS + warp] = den;
   consumer_sync();
   static_assert(GROUP * HD % (kConsumers * 32) == 0, "merge: whole rounds");
 #pragma unroll
@@ -874,66 +856,49 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   const int len = p.context + 1, lo_tok = t.a[4] ? max(0, len - WINDOW) : 0;
   const float scale = 1.4426950408889634f * rsqrtf((float)HD);
   float m = -INFINITY, l = 0.f, o[HD / 8][4] = {};
-  constexpr int TB = 8 / kConsumers;  // 8-token blocks of a page a warp takes: warp + kConsumers * tb
   for (int pg = first; pg < last; ++pg) {
     int k = st.k;
     mbar_wait(&s.full[k], st.phase);
     const unsigned char* kpage = s.ring + (size_t)k * kStageBytes;
-    float sc[TB][4] = {}, sc2[TB][4] = {};
+    float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int tb = 0; tb < TB; ++tb)
-#pragma unroll
-      for (int j = 0; j < HD / 16; j += 2) {  // S = q K^T for the warp's tokens (two chains when ATTN2)
-        unsigned kb[4];
-        ldsm_x4(kb, kv_addr(kpage, 8 * (warp + kConsumers * tb) + lane % 8, 16 * j + 8 * (lane / 8)));
-        mma(sc[tb], qa[j][0], qa[j][1], kb[0], kb[1]);
-        mma(ATTN2 ? sc2[tb] : sc[tb], qa[j + 1][0], qa[j + 1][1], kb[2], kb[3]);
-      }
+    for (int j = 0; j < HD / 16; j += 2) {  // S = q K^T for the warp's 8 tokens (two chains when ATTN2)
+      unsigned kb[4];
+      ldsm_x4(kb, kv_addr(kpage, 8 * warp + lane % 8, 16 * j + 8 * (lane / 8)));
+      mma(sc, qa[j][0], qa[j][1], kb[0], kb[1]);
+      mma(ATTN2 ? sc2 : sc, qa[j + 1][0], qa[j + 1][1], kb[2], kb[3]);
+    }
     if (ATTN2) {
 #pragma unroll
-      for (int tb = 0; tb < TB; ++tb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[tb][e] += sc2[tb][e];
+      for (int e = 0; e < 4; ++e) sc[e] += sc2[e];
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[k]);
     st.advance(s.stages);
-    float sv[TB][2], mx = -INFINITY;
-#pragma unroll
-    for (int tb = 0; tb < TB; ++tb) {
-      const int tok = pg * PAGE + 8 * (warp + kConsumers * tb) + 2 * c;
-      sv[tb][0] = (tok < len && tok >= lo_tok) ? sc[tb][0] * scale : -INFINITY;
-      sv[tb][1] = (tok + 1 < len && tok + 1 >= lo_tok) ? sc[tb][1] * scale : -INFINITY;
-      mx = fmaxf(mx, fmaxf(sv[tb][0], sv[tb][1]));
-    }
+    const int tok = pg * PAGE + 8 * warp + 2 * c;
+    const float s0 = (tok < len && tok >= lo_tok) ? sc[0] * scale : -INFINITY;
+    const float s1 = (tok + 1 < len && tok + 1 >= lo_tok) ? sc[1] * scale : -INFINITY;
+    float mx = fmaxf(s0, s1);
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m, mx);
     const float corr = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
-    unsigned pa[2] = {0u, 0u};  // P of token block 0 as k 0-7 of the A fragment, block 1 (if any) as k 8-15
-    l *= corr;
-#pragma unroll
-    for (int tb = 0; tb < TB; ++tb) {
-      const float p0 = m_new == -INFINITY ? 0.f : exp2f(sv[tb][0] - m_new);
-      const float p1 = m_new == -INFINITY ? 0.f : exp2f(sv[tb][1] - m_new);
-      l += p0 + p1;
-      pa[tb] = pack_bf16(p0, p1);
-    }
+    const float p0 = m_new == -INFINITY ? 0.f : exp2f(s0 - m_new), p1 = m_new == -INFINITY ? 0.f : exp2f(s1 - m_new);
+    l = l * corr + p0 + p1;
     m = m_new;
+    const unsigned pa = pack_bf16(p0, p1);
     k = st.k;
     mbar_wait(&s.full[k], st.phase);
     const unsigned char* vpage = s.ring + (size_t)k * kStageBytes;
 #pragma unroll
-    for (int n = 0; n < HD / 8; n += 4) {  // O += P V over the warp's tokens
-      unsigned vb[TB][4];
-#pragma unroll
-      for (int tb = 0; tb < TB; ++tb)
-        ldsm_x4_t(vb[tb], kv_addr(vpage, 8 * (warp + kConsumers * tb) + lane % 8, 8 * (n + lane / 8)));
+    for (int n = 0; n < HD / 8; n += 4) {  // O += P V over the warp's 8 tokens
+      unsigned vb[4];
+      ldsm_x4_t(vb, kv_addr(vpage, 8 * warp + lane % 8, 8 * (n + lane / 8)));
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[n + q][e] *= corr;
-        mma(o[n + q], pa[0], pa[1], vb[0][q], vb[TB - 1][q]);
+        mma(o[n + q], pa, 0u, vb[q], vb[q]);
       }
     }
     __syncwarp();
@@ -1001,7 +966,7 @@ __device__ void consume_lm(const Params& p, Smem& s, Stream& st, const Task& t, 
   float best = -INFINITY;
   int arg = 0;
   const int row0 = 8 * t.a[0];
-  consume_rows<2, kKS1024>(p, s, st, t.a[1], s.h, kHStride, [&](int g, int b, int r, float v) {
+  consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride, [&](int g, int b, int r, float v) {
     if (v > best) { best = v; arg = row0 + 8 * g + r; }
   });
   // thread tid < 64 holds row b = tid / 8's best over r = tid % 8
@@ -1033,7 +998,7 @@ __device__ void consume_lm(const Params& p, Smem& s, Stream& st, const Task& t, 
 }
 
 // ====  8. The kernel  ==========================================================================
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) step_kernel(const Params p, const __grid_constant__ Maps maps) {
+__global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const __grid_constant__ Maps maps) {
   extern __shared__ unsigned char raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   Smem& s = *reinterpret_cast<Smem*>(base);
@@ -1168,7 +1133,7 @@ static int split_groups(Schedule& s, int total, int per, double group_bytes, Mak
 }
 
 static int attn_splits(int pages, int batch, int min_pages) {  // at most about one (row, head, split) per SM
-  const int s = std::max(1, 132 * kBlocksPerSm / (batch * KVH));
+  const int s = std::max(1, 132 / (batch * KVH));
   return std::max(1, std::min({s, MAX_SPLITS, pages / min_pages}));
 }
 
@@ -1358,8 +1323,7 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
   printf("\n");
 }
 
-static void run_config(int physical_sms, const Weights& w, const Config& cfg, int steps, double copy_bw) {
-  const int sms = physical_sms * kBlocksPerSm;  // blocks: the schedule's lists
+static void run_config(int sms, const Weights& w, const Config& cfg, int steps, double copy_bw) {
   const int batch = cfg.batch, context = cfg.context, layers = cfg.layers, no_wait = cfg.no_wait;
   const int len = context + 1, full_pages = (len + PAGE - 1) / PAGE, window_pages = WINDOW / PAGE + 2;
   size_t pool_pages = 0;
