@@ -213,9 +213,17 @@ __device__ __forceinline__ void spin_until(const unsigned* p, unsigned target, i
   }
   stall_add(role, role == 0 ? 1 : 3, global_ns() - (timed ? tw : t0));
 }
+// NO_FENCE=1 (timing only: results may be wrong) drops every gpu-scope fence, to bound what moving the fences off
+// the consumers could save.
+#ifndef NO_FENCE
+#define NO_FENCE 0
+#endif
+__device__ __forceinline__ void fence_gpu() {
+  if (!NO_FENCE) __threadfence();
+}
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers * 32) : "memory"); }
 __device__ __forceinline__ void signal(unsigned* c) {  // after consumer_sync: every consumer's stores are done
-  __threadfence();
+  fence_gpu();
   atomicAdd(c, 1u);
 }
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
@@ -606,11 +614,11 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   const int row0 = 8 * t.a[0];
   consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride,
                      [&](int g, int b, int r, float v) { p.router[b * E + row0 + 8 * g + r] = v; });
-  __threadfence();
+  fence_gpu();
   consumer_sync();
   if (threadIdx.x == 32) {
     s.flag = atomicAdd(&p.counters[ctr(t.layer, C_ROUTER)], 1u) == (unsigned)t.a[2] - 1;
-    __threadfence();
+    fence_gpu();
   }
   consumer_sync();
   if (!s.flag) return;
@@ -769,7 +777,7 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
         if (g % 2 == 0) { gate = v; return; }
         out[b * width + 8 * (d.g0 + g / 2) + r] = __float2bfloat16(silu(gate) * v);
       });
-      __threadfence();
+      fence_gpu();
       consumer_sync();
       if (threadIdx.x == 32) atomicAdd(&p.counters[ctr(l, C_UP + d.slot)], 1u);
     } else if (d.kind == 1) {
@@ -791,7 +799,7 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
                          [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
     }
   }
-  __threadfence();
+  fence_gpu();
   finish(p, t);
 }
 
@@ -947,9 +955,9 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
   consumer_sync();
   if (tid == 0) {
-    __threadfence();
+    fence_gpu();
     s.flag = atomicAdd(&p.counters[ctr(t.layer, C_SPLIT) + b * KVH + kvh], 1u) == (unsigned)t.a[3] - 1;
-    __threadfence();
+    fence_gpu();
   }
   consumer_sync();
   if (s.flag) {
@@ -981,9 +989,9 @@ __device__ void consume_lm(const Params& p, Smem& s, Stream& st, const Task& t, 
   }
   consumer_sync();
   if (tid == 0) {
-    __threadfence();
+    fence_gpu();
     s.flag = atomicAdd(&p.counters[C_LM], 1u) == (unsigned)p.lm_tasks - 1;
-    __threadfence();
+    fence_gpu();
   }
   consumer_sync();
   if (s.flag && tid < p.batch) {
