@@ -52,7 +52,17 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef ATTN2
 #define ATTN2 0
 #endif
-constexpr int kConsumers = 8, kThreads = 32 * (kConsumers + 1);
+// ATTN3: the producer reads 8 block-table entries at once, and the split merge has a chunk's loads in flight together.
+#ifndef ATTN3
+#define ATTN3 0
+#endif
+// SIGNALLER=1 adds a warp (warp 1) that posts the consumers' completion signals: the consumers hand it the counter
+// through a shared-memory queue and go on, and it pays the gpu-scope fence and the atomic.
+#ifndef SIGNALLER
+#define SIGNALLER 0
+#endif
+constexpr int kConsumers = 8, kCB = 32 * (1 + SIGNALLER), kThreads = kCB + 32 * kConsumers;  // kCB: consumer 0
+constexpr int kSig = 8;  // the signal queue's slots
 constexpr int kStageBytes = 16384, kMaxStages = 14;
 constexpr int kHStride = H + 8;          // bf16, padded: conflict-free A loads
 constexpr int kActStride = QSIZE + 8;    // bf16
@@ -127,7 +137,7 @@ __device__ int g_stall_on;
 __device__ unsigned long long g_stall[16][6];
 __device__ __forceinline__ bool stall_timing() { return STALLS && g_stall_on; }
 __device__ __forceinline__ void stall_add(int role, int kind, long long ns) {
-  if (stall_timing() && (role == 0 ? threadIdx.x == 0 : threadIdx.x == 32))
+  if (stall_timing() && (role == 0 ? threadIdx.x == 0 : threadIdx.x == kCB))
     atomicAdd(&g_stall[g_type[2 * blockIdx.x + role]][kind], (unsigned long long)ns);
 }
 
@@ -255,6 +265,8 @@ struct Smem {
   float attn[GROUP][HD + 2];     // attention: the block's (O, m, l) per query head; merge: weights
   float warp_m[kConsumers][GROUP];
   uint64_t full[kMaxStages], empty[kMaxStages];
+  uint64_t sig_full[kSig], sig_empty[kSig];
+  int sig_ctr[kSig], sig_k, sig_phase;  // the queue's counters, and the consumers' position in it
   int stage_tile[kMaxStages];    // the drain's claimed tile, beside the tile's first stage (-1: no more)
   int h_layer, flag, stages, no_load;
   bf16* h;                       // [B, kHStride] norm of x_l for layer h_layer
@@ -420,8 +432,12 @@ __device__ void produce(const Params& p, const Maps& maps, Smem& s, const Task* 
         int first, last;
         split_pages(p, t, first, last);
         const int* table = p.block_tables + ((size_t)l * p.batch + t.a[0]) * p.max_pages;
+        int phys_at[8];  // ATTN3: the next 8 pages' table entries, read at once (one L2 latency, not 8)
         for (int pg = first; pg < last; ++pg) {
-          const int phys = table[pg];
+          if (ATTN3 && (pg - first) % 8 == 0)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) phys_at[j] = pg + j < last ? __ldg(&table[pg + j]) : 0;
+          const int phys = ATTN3 ? phys_at[(pg - first) % 8] : table[pg];
           for (int kv = 0; kv < 2; ++kv) {
             const int k = st.k;
             mbar_wait(&s.empty[k], st.phase ^ 1, 2, k);
@@ -457,7 +473,7 @@ __device__ __forceinline__ void x_cols(const Params& p, int l, int b, int c, flo
 __device__ void load_h(const Params& p, Smem& s, int l) {
   static_assert(H == 8 * 32 * kConsumers, "load_h: 8 columns a thread");
   if (s.h_layer == l) return;
-  const int tid = threadIdx.x - 32, warp = tid / 32, lane = tid % 32, c = 8 * tid;
+  const int tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, c = 8 * tid;
   float* sums = s.red[1][0];  // [B][warps]
 #pragma unroll
   for (int b = 0; b < MAXB; ++b) {
@@ -487,13 +503,13 @@ __device__ void load_h(const Params& p, Smem& s, int l) {
     *reinterpret_cast<uint4*>(&s.h[b * kHStride + c]) = o;
   }
   consumer_sync();
-  if (threadIdx.x == 32) s.h_layer = l;
+  if (threadIdx.x == kCB) s.h_layer = l;
 }
 
 // A fragments of the warp's KS k16 steps in box kb (k offset kb * box_k): [step][2 regs], rows >= batch zero.
 template <int KS>
 __device__ __forceinline__ void load_a(unsigned (&a)[KS][2], const bf16* act, int stride, int batch, int k_base) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 1, g = lane / 4, c = lane % 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - kCB / 32, g = lane / 4, c = lane % 4;
   const bool ok = g < batch;
 #pragma unroll
   for (int j = 0; j < KS; ++j) {
@@ -510,7 +526,7 @@ __device__ __forceinline__ void load_a(unsigned (&a)[KS][2], const bf16* act, in
 // One box: 8 weight rows x (KS * 8 * 16) columns; the warp multiplies its KS k16 steps.
 template <int KS>
 __device__ __forceinline__ void box_product(float (&acc)[ACC][4], const unsigned char* box, const unsigned (&a)[KS][2]) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 1, r = lane % 8, m = lane / 8;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - kCB / 32, r = lane % 8, m = lane / 8;
 #pragma unroll
   for (int j = 0; j < KS; j += 2) {
     const int k0 = (warp * KS + j) * 16;
@@ -527,7 +543,7 @@ __device__ __forceinline__ void box_product(float (&acc)[ACC][4], const unsigned
 // groups in order: an epilogue may carry a value from one group to the next).
 template <int NK, int KS, class Epi>
 __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, const bf16* act, int stride, Epi epi) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 1, tid = threadIdx.x - 32, gq = lane / 4, c = lane % 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - kCB / 32, tid = threadIdx.x - kCB, gq = lane / 4, c = lane % 4;
   constexpr bool kKeepA = NK * KS <= 16;  // the A fragments of every box stay in registers for the whole call
   unsigned a_all[kKeepA ? NK : 1][KS][2];
   if (kKeepA) {
@@ -574,20 +590,48 @@ __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, c
   }
 }
 
+// Consumer thread 0 (after a consumer_sync, so that every consumer's stores are done): count +1 on the counter,
+// through the signaller where there is one.
+__device__ void post_signal(const Params& p, Smem& s, int counter) {
+#if SIGNALLER
+  const int k = s.sig_k;
+  mbar_wait(&s.sig_empty[k], s.sig_phase ^ 1, 1, k);
+  s.sig_ctr[k] = counter;
+  mbar_arrive(&s.sig_full[k]);
+  if (++s.sig_k == kSig) { s.sig_k = 0; s.sig_phase ^= 1; }
+#else
+  signal(&p.counters[counter]);
+#endif
+}
+
+__device__ void run_signaller(const Params& p, Smem& s) {
+  int k = 0;
+  unsigned phase = 0;
+  for (;;) {
+    mbar_wait(&s.sig_full[k], phase, 1, k);
+    const int counter = s.sig_ctr[k];
+    if (counter < 0) return;
+    fence_gpu();
+    atomicAdd(&p.counters[counter], 1u);
+    mbar_arrive(&s.sig_empty[k]);
+    if (++k == kSig) { k = 0; phase ^= 1; }
+  }
+}
+
 __device__ void wait_for(const Params& p, int counter, int target) {
-  if (counter >= 0 && threadIdx.x == 32 && !p.no_wait) spin_until(&p.counters[counter], target, 1, counter);
-  if (p.profile && threadIdx.x == 32) p.profile[3 * (p.task_start[blockIdx.x] + g_where[2 * blockIdx.x + 1]) + 1] = global_ns();
+  if (counter >= 0 && threadIdx.x == kCB && !p.no_wait) spin_until(&p.counters[counter], target, 1, counter);
+  if (p.profile && threadIdx.x == kCB) p.profile[3 * (p.task_start[blockIdx.x] + g_where[2 * blockIdx.x + 1]) + 1] = global_ns();
   consumer_sync();
 }
 
-__device__ void finish(const Params& p, const Task& t) {
+__device__ void finish(const Params& p, Smem& s, const Task& t) {
   consumer_sync();
-  if (threadIdx.x == 32 && t.signal >= 0) signal(&p.counters[t.signal]);
+  if (threadIdx.x == kCB && t.signal >= 0) post_signal(p, s, t.signal);
 }
 
 __device__ void add_residual(const Params& p, const Task& t) {  // x_{l+1} += x_l (one task per layer)
   if (!(t.flags & 1)) return;
-  const int l = t.layer, tid = threadIdx.x - 32;
+  const int l = t.layer, tid = threadIdx.x - kCB;
   for (int i = tid; i < p.batch * H; i += kConsumers * 32) {
     const float v = l == 0 ? __bfloat162float(p.embed[(size_t)p.tokens[i / H] * H + i % H]) : __ldcg(&p.x[(size_t)l * p.batch * H + i]);
     atomicAdd(&p.x[(size_t)(l + 1) * p.batch * H + i], v);
@@ -602,7 +646,7 @@ __device__ void consume_qkv(const Params& p, Smem& s, Stream& st, const Task& t)
     p.qkv[b * QKV_ROWS + row0 + 8 * g + r] = __float2bfloat16(v);
   });
   add_residual(p, t);
-  finish(p, t);
+  finish(p, s, t);
 }
 
 __device__ void topk(const Params& p, Smem& s, const Task& t);
@@ -616,7 +660,7 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
                      [&](int g, int b, int r, float v) { p.router[b * E + row0 + 8 * g + r] = v; });
   fence_gpu();
   consumer_sync();
-  if (threadIdx.x == 32) {
+  if (threadIdx.x == kCB) {
     s.flag = atomicAdd(&p.counters[ctr(t.layer, C_ROUTER)], 1u) == (unsigned)t.a[2] - 1;
     fence_gpu();
   }
@@ -624,12 +668,12 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   if (!s.flag) return;
   if (!p.no_wait) topk(p, s, t);  // no-wait: keep the previous step's slots, so every reader sees the same ones
   add_residual(p, t);
-  finish(p, t);
+  finish(p, s, t);
 }
 
 __device__ void consume_oproj(const Params& p, Smem& s, Stream& st, const Task& t) {
   wait_for(p, t.wait, t.target);
-  const int tid = threadIdx.x - 32;
+  const int tid = threadIdx.x - kCB;
   for (int i = tid; i < p.batch * QSIZE / 8; i += kConsumers * 32) {
     const int b = i / (QSIZE / 8), c = i % (QSIZE / 8);
     *reinterpret_cast<uint4*>(&s.act[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&p.attn_out[b * QSIZE + 8 * c]));
@@ -639,12 +683,12 @@ __device__ void consume_oproj(const Params& p, Smem& s, Stream& st, const Task& 
   const int row0 = 8 * t.a[0];
   consume_rows<4, 8>(p, s, st, t.a[1], s.act, kActStride,
                      [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
-  finish(p, t);
+  finish(p, s, t);
 }
 
 // Top-k of every row's router logits, the distinct experts as slots (ascending), and each (slot, row) weight.
 __device__ void topk(const Params& p, Smem& s, const Task& t) {
-  const int l = t.layer, tid = threadIdx.x - 32, warp = tid / 32, lane = tid % 32;
+  const int l = t.layer, tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32;
   int* chosen = reinterpret_cast<int*>(s.red[0]);           // [B][TOPK]
   float* weight = reinterpret_cast<float*>(s.red[1]);       // [B][TOPK]
   for (int b = warp; b < p.batch; b += kConsumers) {
@@ -701,7 +745,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 __device__ void consume_up(const Params& p, Smem& s, Stream& st, const Task& t) {
   const int l = t.layer, slot = t.a[0];
   wait_for(p, t.wait, t.target);
-  if (slot >= 0 && slot >= up_count(p, l)) { finish(p, t); return; }
+  if (slot >= 0 && slot >= up_count(p, l)) { finish(p, s, t); return; }
   load_h(p, s, l);
   bf16* out = p.moe_act + (size_t)(slot < 0 ? MAX_SLOTS : slot) * p.batch * DENSE_I;
   const int width = slot < 0 ? DENSE_I : I;
@@ -710,13 +754,13 @@ __device__ void consume_up(const Params& p, Smem& s, Stream& st, const Task& t) 
     if (g % 2 == 0) { gate = v; return; }
     out[b * width + 8 * (t.a[1] + g / 2) + r] = __float2bfloat16(silu(gate) * v);
   });
-  finish(p, t);
+  finish(p, s, t);
 }
 
 __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t) {
-  const int l = t.layer, slot = t.a[0], tid = threadIdx.x - 32;
+  const int l = t.layer, slot = t.a[0], tid = threadIdx.x - kCB;
   wait_for(p, t.wait, t.target);
-  if (slot >= 0 && slot >= up_count(p, l)) { finish(p, t); return; }
+  if (slot >= 0 && slot >= up_count(p, l)) { finish(p, s, t); return; }
   const int width = slot < 0 ? DENSE_I : I;
   const bf16* in = p.moe_act + (size_t)(slot < 0 ? MAX_SLOTS : slot) * p.batch * DENSE_I;
   for (int i = tid; i < p.batch * width / 8; i += kConsumers * 32) {
@@ -733,16 +777,16 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
   };
   if (slot < 0) consume_rows<3, 8>(p, s, st, t.a[2], s.act, kActStride, epi);
   else consume_rows<1, 6>(p, s, st, t.a[2], s.act, kActStride, epi);
-  finish(p, t);
+  finish(p, s, t);
 }
 
 __device__ void spin_consumers(const Params& p, int counter, int target) {  // thread 32 spins, the consumers sync
-  if (threadIdx.x == 32 && !p.no_wait) spin_until(&p.counters[counter], target, 1, counter);
+  if (threadIdx.x == kCB && !p.no_wait) spin_until(&p.counters[counter], target, 1, counter);
   consumer_sync();
 }
 
 __device__ void load_act(Smem& s, const bf16* in, int batch, int width) {  // in [B, width] -> s.act
-  const int tid = threadIdx.x - 32;
+  const int tid = threadIdx.x - kCB;
   for (int i = tid; i < batch * width / 8; i += kConsumers * 32) {
     const int b = i / (width / 8), c = i % (width / 8);
     *reinterpret_cast<uint4*>(&s.act[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
@@ -777,9 +821,9 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
         if (g % 2 == 0) { gate = v; return; }
         out[b * width + 8 * (d.g0 + g / 2) + r] = __float2bfloat16(silu(gate) * v);
       });
-      fence_gpu();
+      if (!SIGNALLER) fence_gpu();
       consumer_sync();
-      if (threadIdx.x == 32) atomicAdd(&p.counters[ctr(l, C_UP + d.slot)], 1u);
+      if (threadIdx.x == kCB) post_signal(p, s, ctr(l, C_UP + d.slot));
     } else if (d.kind == 1) {
       spin_consumers(p, ctr(l, C_UP + d.slot), up_tiles_per_slot(p, dense));
       load_act(s, p.moe_act + (size_t)slot_buf * p.batch * DENSE_I, p.batch, width);
@@ -799,8 +843,8 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
                          [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
     }
   }
-  fence_gpu();
-  finish(p, t);
+  if (!SIGNALLER) fence_gpu();
+  finish(p, s, t);
 }
 
 // ====  6. Attention: one (row, kv head, split); the last split to finish merges them  ==========
@@ -814,7 +858,7 @@ __device__ __forceinline__ unsigned kv_addr(const unsigned char* page, int tok, 
 // The splits' (O, m, l) -> attn_out: warp h weighs head h's splits (lanes over splits), then every thread sums
 // its outputs over the splits with the loads in flight together.
 __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
-  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - 32, warp = tid / 32, lane = tid % 32, splits = t.a[3];
+  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, splits = t.a[3];
   const float* part = p.part + ((size_t)(b * KVH + kvh) * MAX_SPLITS) * GROUP * (HD + 2);
   float* wts = &s.attn[0][0];  // [GROUP][MAX_SPLITS], then den [GROUP]
   float m[2], l[2];
@@ -837,6 +881,32 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
   if (lane == 0) wts[GROUP * MAX_SPLITS + warp] = den;
   consumer_sync();
   static_assert(GROUP * HD % (kConsumers * 32) == 0, "merge: whole rounds");
+  constexpr int kPer = GROUP * HD / (kConsumers * 32);  // outputs a thread merges
+#if ATTN3
+  // every load of an 8-split chunk in flight at once: kPer x 8 L2 reads, then the sums
+  float acc[kPer] = {};
+  for (int sp0 = 0; sp0 < splits; sp0 += 8) {
+    float v[kPer][8];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int i = tid + e * kConsumers * 32, hq = i / HD, d = i % HD;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        v[e][j] = sp0 + j < splits ? __ldcg(&part[((sp0 + j) * GROUP + hq) * (HD + 2) + d]) : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int hq = (tid + e * kConsumers * 32) / HD;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[e] += sp0 + j < splits ? wts[hq * MAX_SPLITS + sp0 + j] * v[e][j] : 0.f;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int i = tid + e * kConsumers * 32, hq = i / HD, d = i % HD;
+    p.attn_out[b * QSIZE + (kvh * GROUP + hq) * HD + d] = __float2bfloat16(acc[e] / wts[GROUP * MAX_SPLITS + hq]);
+  }
+#else
 #pragma unroll
   for (int i = tid; i < GROUP * HD; i += kConsumers * 32) {
     const int hq = i / HD, d = i % HD;
@@ -845,10 +915,11 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
     for (int sp = 0; sp < splits; ++sp) acc += wts[hq * MAX_SPLITS + sp] * __ldcg(&part[(sp * GROUP + hq) * (HD + 2) + d]);
     p.attn_out[b * QSIZE + (kvh * GROUP + hq) * HD + d] = __float2bfloat16(acc / wts[GROUP * MAX_SPLITS + hq]);
   }
+#endif
 }
 
 __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t) {
-  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - 32, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   wait_for(p, t.wait, t.target);
   for (int i = tid; i < GROUP * HD; i += kConsumers * 32)
     s.act[(i / HD) * kQStride + i % HD] = __ldcg(&p.qkv[b * QKV_ROWS + kvh * GROUP * HD + i]);
@@ -962,7 +1033,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   consumer_sync();
   if (s.flag) {
     merge_splits(p, s, t);
-    finish(p, t);
+    finish(p, s, t);
   }
 }
 
@@ -970,7 +1041,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
 __device__ void consume_lm(const Params& p, Smem& s, Stream& st, const Task& t, int task_index) {
   wait_for(p, t.wait, t.target);
   load_h(p, s, p.layers);
-  const int tid = threadIdx.x - 32;
+  const int tid = threadIdx.x - kCB;
   float best = -INFINITY;
   int arg = 0;
   const int row0 = 8 * t.a[0];
@@ -1016,6 +1087,9 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
     s.act = reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(s.h) + h_bytes(p.batch));
     s.ring = reinterpret_cast<unsigned char*>(s.act) + act_bytes(p.batch);
     for (int k = 0; k < s.stages; ++k) { mbar_init(&s.full[k], 1); mbar_init(&s.empty[k], kConsumers); }
+    for (int k = 0; k < kSig; ++k) { mbar_init(&s.sig_full[k], 1); mbar_init(&s.sig_empty[k], 1); }
+    s.sig_k = 0;
+    s.sig_phase = 0;
     s.h_layer = -1;
     s.no_load = p.no_wait == 2;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -1027,12 +1101,16 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
     if (threadIdx.x == 0) produce(p, maps, s, list, n);
     return;
   }
-  if (threadIdx.x == 32 && blockIdx.x == 0) { p.clocks[0] = clock64(); p.clocks[1] = global_ns(); }
+  if (threadIdx.x < kCB) {
+    if (threadIdx.x == 32) run_signaller(p, s);
+    return;
+  }
+  if (threadIdx.x == kCB && blockIdx.x == 0) { p.clocks[0] = clock64(); p.clocks[1] = global_ns(); }
   Stream st;
   for (int i = 0; i < n; ++i) {
     const Task t = list[i];
-    if (threadIdx.x == 32) { g_where[2 * blockIdx.x + 1] = i; g_type[2 * blockIdx.x + 1] = t.type; }
-    if (p.profile && threadIdx.x == 32) p.profile[3 * (p.task_start[blockIdx.x] + i)] = global_ns();
+    if (threadIdx.x == kCB) { g_where[2 * blockIdx.x + 1] = i; g_type[2 * blockIdx.x + 1] = t.type; }
+    if (p.profile && threadIdx.x == kCB) p.profile[3 * (p.task_start[blockIdx.x] + i)] = global_ns();
     switch (t.type) {
       case T_QKV: consume_qkv(p, s, st, t); break;
       case T_ROUTER: consume_router(p, s, st, t); break;
@@ -1044,9 +1122,10 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
       case T_LM: consume_lm(p, s, st, t, t.a[2]); break;
       default: break;
     }
-    if (p.profile && threadIdx.x == 32) p.profile[3 * (p.task_start[blockIdx.x] + i) + 2] = global_ns();
+    if (p.profile && threadIdx.x == kCB) p.profile[3 * (p.task_start[blockIdx.x] + i) + 2] = global_ns();
   }
-  if (threadIdx.x == 32 && blockIdx.x == 0) { p.clocks[2] = clock64(); p.clocks[3] = global_ns(); }
+  if (threadIdx.x == kCB && blockIdx.x == 0) { p.clocks[2] = clock64(); p.clocks[3] = global_ns(); }
+  if (SIGNALLER && threadIdx.x == kCB) post_signal(p, s, -1);
 }
 
 __global__ void fill_random(bf16* w, size_t n, unsigned seed, float scale) {
