@@ -46,7 +46,7 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 // RG groups share one reduce: each warp keeps RG groups' partials in registers and the block meets once per RG
 // groups, not once per group (its warps then run up to 2 * RG * NK stages apart).
 #ifndef RG
-#define RG 1
+#define RG 4
 #endif
 // ATTN2: attention's split partial summed warp by warp without shared atomics, and S = q K^T in two mma chains.
 #ifndef ATTN2
@@ -54,12 +54,12 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #endif
 // ATTN3: the producer reads 8 block-table entries at once, and the split merge has a chunk's loads in flight together.
 #ifndef ATTN3
-#define ATTN3 0
+#define ATTN3 1
 #endif
 // SIGNALLER=1 adds a warp (warp 1) that posts the consumers' completion signals: the consumers hand it the counter
 // through a shared-memory queue and go on, and it pays the gpu-scope fence and the atomic.
 #ifndef SIGNALLER
-#define SIGNALLER 0
+#define SIGNALLER 1
 #endif
 constexpr int kConsumers = 8, kCB = 32 * (1 + SIGNALLER), kThreads = kCB + 32 * kConsumers;  // kCB: consumer 0
 constexpr int kSig = 8;  // the signal queue's slots
@@ -107,6 +107,7 @@ struct Params {
   int no_wait;             // 1: no dependency waits (wrong results; times the streams alone); 2: nor loads (the
                            // producer marks each stage full at once: times the consumers alone)
   long long* profile;      // null, or [tasks][3] ns: consumers' start, dependency met, end
+  long long* marks;        // null, or [tasks][kMarks] ns: points inside a task (mark()), 0 where not reached
   long long* clocks;       // block 0's consumer thread 32: clock64 and globaltimer at its start and end
   int up_pairs, down_groups, o_groups;  // the drain's tile sizes
 };
@@ -521,7 +522,7 @@ __device__ __forceinline__ void load_a(unsigned (&a)[KS][2], const bf16* act, in
 
 // ACC independent accumulators per warp (1: one dependent mma chain; 2 or 4 shorten it), summed before the reduce.
 #ifndef ACC
-#define ACC 1
+#define ACC 2
 #endif
 // One box: 8 weight rows x (KS * 8 * 16) columns; the warp multiplies its KS k16 steps.
 template <int KS>
@@ -618,6 +619,12 @@ __device__ void run_signaller(const Params& p, Smem& s) {
   }
 }
 
+// Profile steps: consumer thread 0 stamps point i of its current task.
+constexpr int kMarks = 6;
+__device__ __forceinline__ void mark(const Params& p, int i) {
+  if (p.marks && threadIdx.x == kCB) p.marks[kMarks * (p.task_start[blockIdx.x] + g_where[2 * blockIdx.x + 1]) + i] = global_ns();
+}
+
 __device__ void wait_for(const Params& p, int counter, int target) {
   if (counter >= 0 && threadIdx.x == kCB && !p.no_wait) spin_until(&p.counters[counter], target, 1, counter);
   if (p.profile && threadIdx.x == kCB) p.profile[3 * (p.task_start[blockIdx.x] + g_where[2 * blockIdx.x + 1]) + 1] = global_ns();
@@ -641,10 +648,12 @@ __device__ void add_residual(const Params& p, const Task& t) {  // x_{l+1} += x_
 __device__ void consume_qkv(const Params& p, Smem& s, Stream& st, const Task& t) {
   wait_for(p, t.wait, t.target);
   load_h(p, s, t.layer);
+  mark(p, 0);  // h ready
   const int row0 = 8 * t.a[0];
   consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride, [&](int g, int b, int r, float v) {
     p.qkv[b * QKV_ROWS + row0 + 8 * g + r] = __float2bfloat16(v);
   });
+  mark(p, 1);  // the product
   add_residual(p, t);
   finish(p, s, t);
 }
@@ -656,8 +665,10 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   wait_for(p, t.wait, t.target);
   load_h(p, s, t.layer);
   const int row0 = 8 * t.a[0];
+  mark(p, 0);  // h ready
   consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride,
                      [&](int g, int b, int r, float v) { p.router[b * E + row0 + 8 * g + r] = v; });
+  mark(p, 1);  // the logits
   fence_gpu();
   consumer_sync();
   if (threadIdx.x == kCB) {
@@ -666,7 +677,9 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   }
   consumer_sync();
   if (!s.flag) return;
+  mark(p, 2);  // the last router task
   if (!p.no_wait) topk(p, s, t);  // no-wait: keep the previous step's slots, so every reader sees the same ones
+  mark(p, 3);  // top-k
   add_residual(p, t);
   finish(p, s, t);
 }
@@ -924,6 +937,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   for (int i = tid; i < GROUP * HD; i += kConsumers * 32)
     s.act[(i / HD) * kQStride + i % HD] = __ldcg(&p.qkv[b * QKV_ROWS + kvh * GROUP * HD + i]);
   consumer_sync();
+  mark(p, 0);  // q in shared memory
   unsigned qa[HD / 16][2];
 #pragma unroll
   for (int j = 0; j < HD / 16; ++j) {
@@ -984,6 +998,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
     if (lane == 0) mbar_arrive(&s.empty[k]);
     st.advance(s.stages);
   }
+  mark(p, 1);  // the pages done
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   // warp partials -> the split's (O, m, l) per query head: M = the warps' max, then each warp adds its scaled share
@@ -1022,6 +1037,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   if (c == 0 && warp == 0) s.attn[g][HD] = mm;
   consumer_sync();
 #endif
+  mark(p, 2);  // the warps' partials summed
   float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
   for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
   consumer_sync();
@@ -1031,8 +1047,10 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
     fence_gpu();
   }
   consumer_sync();
+  mark(p, 3);  // the split written and its ticket taken
   if (s.flag) {
     merge_splits(p, s, t);
+    mark(p, 4);  // merged
     finish(p, s, t);
   }
 }
@@ -1358,6 +1376,10 @@ template <class Launch>
 static void profile_report(const Schedule& sched, Params& p, Launch launch, size_t ntasks) {
   long long* prof;
   CK(cudaMalloc(&prof, ntasks * 3 * 8));
+  long long* marks;
+  CK(cudaMalloc(&marks, ntasks * kMarks * 8));
+  CK(cudaMemset(marks, 0, ntasks * kMarks * 8));
+  p.marks = marks;
   p.profile = prof;
   unsigned long long zero[16][6] = {};
   const int on = 1, off = 0;
@@ -1369,11 +1391,14 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
   unsigned long long stall[16][6];
   CK(cudaMemcpyFromSymbol(stall, g_stall, sizeof stall));
   p.profile = nullptr;
-  std::vector<long long> h(ntasks * 3);
+  p.marks = nullptr;
+  std::vector<long long> h(ntasks * 3), hm(ntasks * kMarks);
   CK(cudaMemcpy(h.data(), prof, h.size() * 8, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hm.data(), marks, hm.size() * 8, cudaMemcpyDeviceToHost));
+  CK(cudaFree(marks));
   CK(cudaFree(prof));
   const char* names[] = {"end", "qkv", "router", "topk", "up", "down", "attn", "oproj", "lm", "drain"};
-  double wait[10] = {}, work[10] = {}, count[10] = {}, gap = 0, busy = 0;
+  double wait[10] = {}, work[10] = {}, count[10] = {}, gap = 0, busy = 0, msum[10][kMarks] = {}, mcount[10][kMarks] = {};
   long long first[10], last[10], t0 = -1;
   for (int k = 0; k < 10; ++k) { first[k] = LLONG_MAX; last[k] = 0; }
   size_t idx = 0;
@@ -1384,6 +1409,8 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
       if (i > 0 && t.layer >= 2 && t.layer < 48) gap += a - h[3 * (idx - 1) + 2];
       if (t.layer >= 2 && t.layer < 48) {
         wait[t.type] += m - a; work[t.type] += e - m; count[t.type] += 1; busy += e - m;
+        for (int j = 0; j < kMarks; ++j)
+          if (hm[kMarks * idx + j]) { msum[t.type][j] += hm[kMarks * idx + j] - m; mcount[t.type][j] += 1; }
       }
       if (t.layer == 25) {
         if (t0 < 0 || a < t0) t0 = a;
@@ -1403,6 +1430,10 @@ static void profile_report(const Schedule& sched, Params& p, Launch launch, size
       printf("%s %.0f/%.0f/%.0f %.0f/%.0f/%.0f; ", names[k], st[0] / n_sm / 1e3, st[1] / n_sm / 1e3, st[5] / n_sm / 1e3,
              st[2] / n_sm / 1e3, st[3] / n_sm / 1e3, st[4] / n_sm / 1e3);
   }
+  printf("\n  marks (us after the task's dependency was met; tasks that reached them):");
+  for (int k = 1; k < 10; ++k)
+    for (int j = 0; j < kMarks; ++j)
+      if (mcount[k][j]) printf(" %s.%d %.2f (%.0f)", names[k], j, msum[k][j] / mcount[k][j] / 1e3, mcount[k][j]);
   printf("\n  per layer per SM: busy %.1f us, gaps %.1f us\n  layer 25 from its first start (us): ",
          busy / 46 / sched.per_sm.size() / 1e3, gap / 46 / sched.per_sm.size() / 1e3);
   for (int k = 1; k < 10; ++k)
