@@ -270,9 +270,7 @@ struct Smem {
   int sig_ctr[kSig], sig_k, sig_phase;  // the queue's counters, and the consumers' position in it
   int stage_tile[kMaxStages];    // the drain's claimed tile, beside the tile's first stage (-1: no more)
   int h_layer, flag, stages, no_load;
-  bf16* h;                       // [B, kHStride] norm of x_l for layer h_layer
-  bf16* act;                     // [B, kActStride] o_proj / down input, or attention's q
-  unsigned char* ring;           // [stages][kStageBytes], 1024-byte aligned
+  int act_off, ring_off;         // byte offsets from the Smem of act and the ring (sm_act, sm_ring)
 };
 
 __host__ __device__ constexpr size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -290,6 +288,18 @@ __host__ __device__ inline int ring_stages(int batch) {
 __host__ __device__ inline size_t smem_bytes(int batch) {
   return round_up(sizeof(Smem), 1024) + 1024 + h_bytes(batch) + act_bytes(batch) + (size_t)ring_stages(batch) * kStageBytes;
 }
+
+// h, act and the ring, as pointers derived from the Smem itself (which the kernel derives from the shared array), so
+// that the compiler keeps them in the shared space (LDS, STS, ATOMS): a pointer stored in shared memory and read back
+// is generic, and every access through it is a generic LD.E / ST.E, and each atomic a space query and two paths.
+__device__ __forceinline__ unsigned char* sm_base(Smem& s) { return reinterpret_cast<unsigned char*>(&s); }
+__device__ __forceinline__ bf16* sm_h(Smem& s) {  // [B, kHStride] norm of x_l for layer h_layer
+  return reinterpret_cast<bf16*>(sm_base(s) + round_up(sizeof(Smem), 1024));
+}
+__device__ __forceinline__ bf16* sm_act(Smem& s) {  // [B, kActStride] o_proj / down input, or attention's q
+  return reinterpret_cast<bf16*>(sm_base(s) + s.act_off);
+}
+__device__ __forceinline__ unsigned char* sm_ring(Smem& s) { return sm_base(s) + s.ring_off; }  // [stages][16 KB]
 
 struct Stream {  // one role's position in the stage sequence (producer and consumers keep their own)
   int k = 0;
@@ -339,7 +349,7 @@ __device__ void produce_box(const Maps& maps, Smem& s, Stream& st, int map, int 
   if (s.no_load) mbar_arrive(&s.full[k]);
   else {
     mbar_expect(&s.full[k], bytes);
-    tma_3d(s.ring + (size_t)k * kStageBytes, &maps.m[map], c0, c1, c2, &s.full[k], pol);
+    tma_3d(sm_ring(s) + (size_t)k * kStageBytes, &maps.m[map], c0, c1, c2, &s.full[k], pol);
   }
   st.advance(s.stages);
 }
@@ -444,7 +454,7 @@ __device__ void produce(const Params& p, const Maps& maps, Smem& s, const Task* 
             mbar_wait(&s.empty[k], st.phase ^ 1, 2, k);
             if (s.no_load) { mbar_arrive(&s.full[k]); st.advance(s.stages); continue; }
             mbar_expect(&s.full[k], 16384);
-            tma_4d(s.ring + (size_t)k * kStageBytes, &maps.m[kv ? M_V : M_K], 0, 0, t.a[1], phys * PAGE, &s.full[k], pol);
+            tma_4d(sm_ring(s) + (size_t)k * kStageBytes, &maps.m[kv ? M_V : M_K], 0, 0, t.a[1], phys * PAGE, &s.full[k], pol);
             st.advance(s.stages);
           }
         }
@@ -456,7 +466,7 @@ __device__ void produce(const Params& p, const Maps& maps, Smem& s, const Task* 
 }
 
 // ====  5. Consumers: inputs, the product core, epilogues  ======================================
-// h = rmsnorm(x_l) * norm weight, rows < B, into s.h (kept while the block stays on layer l). Every thread takes 8
+// h = rmsnorm(x_l) * norm weight, rows < B, into sm_h(s) (kept while the block stays on layer l). Every thread takes 8
 // columns of every row: one round of loads for the sums of squares, then the same lines again (L1 hits) for h.
 __device__ __forceinline__ void x_cols(const Params& p, int l, int b, int c, float (&v)[8]) {
   if (l == 0) {
@@ -501,7 +511,7 @@ __device__ void load_h(const Params& p, Smem& s, int l) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       ow[j] = pack_bf16(v[2 * j] * rstd * __bfloat162float(gamma[2 * j]), v[2 * j + 1] * rstd * __bfloat162float(gamma[2 * j + 1]));
-    *reinterpret_cast<uint4*>(&s.h[b * kHStride + c]) = o;
+    *reinterpret_cast<uint4*>(&sm_h(s)[b * kHStride + c]) = o;
   }
   consumer_sync();
   if (threadIdx.x == kCB) s.h_layer = l;
@@ -564,7 +574,7 @@ __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, c
         if (!kKeepA) load_a<KS>(a, act, stride, p.batch, kb * KS * 8 * 16);
         const int k = st.k;
         mbar_wait(&s.full[k], st.phase);
-        box_product<KS>(accs[gi], s.ring + (size_t)k * kStageBytes, kKeepA ? a_all[kKeepA ? kb : 0] : a);
+        box_product<KS>(accs[gi], sm_ring(s) + (size_t)k * kStageBytes, kKeepA ? a_all[kKeepA ? kb : 0] : a);
         __syncwarp();
         if (lane == 0) mbar_arrive(&s.empty[k]);
         st.advance(s.stages);
@@ -650,7 +660,7 @@ __device__ void consume_qkv(const Params& p, Smem& s, Stream& st, const Task& t)
   load_h(p, s, t.layer);
   mark(p, 0);  // h ready
   const int row0 = 8 * t.a[0];
-  consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride, [&](int g, int b, int r, float v) {
+  consume_rows<2, 8>(p, s, st, t.a[1], sm_h(s), kHStride, [&](int g, int b, int r, float v) {
     p.qkv[b * QKV_ROWS + row0 + 8 * g + r] = __float2bfloat16(v);
   });
   mark(p, 1);  // the product
@@ -666,7 +676,7 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   load_h(p, s, t.layer);
   const int row0 = 8 * t.a[0];
   mark(p, 0);  // h ready
-  consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride,
+  consume_rows<2, 8>(p, s, st, t.a[1], sm_h(s), kHStride,
                      [&](int g, int b, int r, float v) { p.router[b * E + row0 + 8 * g + r] = v; });
   mark(p, 1);  // the logits
   fence_gpu();
@@ -689,12 +699,12 @@ __device__ void consume_oproj(const Params& p, Smem& s, Stream& st, const Task& 
   const int tid = threadIdx.x - kCB;
   for (int i = tid; i < p.batch * QSIZE / 8; i += kConsumers * 32) {
     const int b = i / (QSIZE / 8), c = i % (QSIZE / 8);
-    *reinterpret_cast<uint4*>(&s.act[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&p.attn_out[b * QSIZE + 8 * c]));
+    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&p.attn_out[b * QSIZE + 8 * c]));
   }
   consumer_sync();
   float* x_next = p.x + (size_t)(t.layer + 1) * p.batch * H;
   const int row0 = 8 * t.a[0];
-  consume_rows<4, 8>(p, s, st, t.a[1], s.act, kActStride,
+  consume_rows<4, 8>(p, s, st, t.a[1], sm_act(s), kActStride,
                      [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
   finish(p, s, t);
 }
@@ -763,7 +773,7 @@ __device__ void consume_up(const Params& p, Smem& s, Stream& st, const Task& t) 
   bf16* out = p.moe_act + (size_t)(slot < 0 ? MAX_SLOTS : slot) * p.batch * DENSE_I;
   const int width = slot < 0 ? DENSE_I : I;
   float gate = 0.f;
-  consume_rows<2, 8>(p, s, st, 2 * t.a[2], s.h, kHStride, [&](int g, int b, int r, float v) {
+  consume_rows<2, 8>(p, s, st, 2 * t.a[2], sm_h(s), kHStride, [&](int g, int b, int r, float v) {
     if (g % 2 == 0) { gate = v; return; }
     out[b * width + 8 * (t.a[1] + g / 2) + r] = __float2bfloat16(silu(gate) * v);
   });
@@ -778,7 +788,7 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
   const bf16* in = p.moe_act + (size_t)(slot < 0 ? MAX_SLOTS : slot) * p.batch * DENSE_I;
   for (int i = tid; i < p.batch * width / 8; i += kConsumers * 32) {
     const int b = i / (width / 8), c = i % (width / 8);
-    *reinterpret_cast<uint4*>(&s.act[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
+    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
   }
   consumer_sync();
   float* x_next = p.x + (size_t)(l + 1) * p.batch * H;
@@ -788,8 +798,8 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
     const float wb = slot < 0 ? 1.f : __ldcg(&w[b]);
     if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
   };
-  if (slot < 0) consume_rows<3, 8>(p, s, st, t.a[2], s.act, kActStride, epi);
-  else consume_rows<1, 6>(p, s, st, t.a[2], s.act, kActStride, epi);
+  if (slot < 0) consume_rows<3, 8>(p, s, st, t.a[2], sm_act(s), kActStride, epi);
+  else consume_rows<1, 6>(p, s, st, t.a[2], sm_act(s), kActStride, epi);
   finish(p, s, t);
 }
 
@@ -798,11 +808,11 @@ __device__ void spin_consumers(const Params& p, int counter, int target) {  // t
   consumer_sync();
 }
 
-__device__ void load_act(Smem& s, const bf16* in, int batch, int width) {  // in [B, width] -> s.act
+__device__ void load_act(Smem& s, const bf16* in, int batch, int width) {  // in [B, width] -> sm_act(s)
   const int tid = threadIdx.x - kCB;
   for (int i = tid; i < batch * width / 8; i += kConsumers * 32) {
     const int b = i / (width / 8), c = i % (width / 8);
-    *reinterpret_cast<uint4*>(&s.act[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
+    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
   }
   consumer_sync();
 }
@@ -830,7 +840,7 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
       load_h(p, s, l);
       bf16* out = p.moe_act + (size_t)slot_buf * p.batch * DENSE_I;
       float gate = 0.f;
-      consume_rows<2, 8>(p, s, st, 2 * d.groups, s.h, kHStride, [&](int g, int b, int r, float v) {
+      consume_rows<2, 8>(p, s, st, 2 * d.groups, sm_h(s), kHStride, [&](int g, int b, int r, float v) {
         if (g % 2 == 0) { gate = v; return; }
         out[b * width + 8 * (d.g0 + g / 2) + r] = __float2bfloat16(silu(gate) * v);
       });
@@ -846,13 +856,13 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
         const float wb = dense ? 1.f : __ldcg(&w[b]);
         if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
       };
-      if (dense) consume_rows<3, 8>(p, s, st, d.groups, s.act, kActStride, epi);
-      else consume_rows<1, 6>(p, s, st, d.groups, s.act, kActStride, epi);
+      if (dense) consume_rows<3, 8>(p, s, st, d.groups, sm_act(s), kActStride, epi);
+      else consume_rows<1, 6>(p, s, st, d.groups, sm_act(s), kActStride, epi);
     } else {
       spin_consumers(p, ctr(l, C_ATTN), p.batch * KVH);
       load_act(s, p.attn_out, p.batch, QSIZE);
       const int row0 = 8 * d.g0;
-      consume_rows<4, 8>(p, s, st, d.groups, s.act, kActStride,
+      consume_rows<4, 8>(p, s, st, d.groups, sm_act(s), kActStride,
                          [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
     }
   }
@@ -935,14 +945,14 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   wait_for(p, t.wait, t.target);
   for (int i = tid; i < GROUP * HD; i += kConsumers * 32)
-    s.act[(i / HD) * kQStride + i % HD] = __ldcg(&p.qkv[b * QKV_ROWS + kvh * GROUP * HD + i]);
+    sm_act(s)[(i / HD) * kQStride + i % HD] = __ldcg(&p.qkv[b * QKV_ROWS + kvh * GROUP * HD + i]);
   consumer_sync();
   mark(p, 0);  // q in shared memory
   unsigned qa[HD / 16][2];
 #pragma unroll
   for (int j = 0; j < HD / 16; ++j) {
-    qa[j][0] = *reinterpret_cast<const unsigned*>(&s.act[g * kQStride + 16 * j + 2 * c]);
-    qa[j][1] = *reinterpret_cast<const unsigned*>(&s.act[g * kQStride + 16 * j + 8 + 2 * c]);
+    qa[j][0] = *reinterpret_cast<const unsigned*>(&sm_act(s)[g * kQStride + 16 * j + 2 * c]);
+    qa[j][1] = *reinterpret_cast<const unsigned*>(&sm_act(s)[g * kQStride + 16 * j + 8 + 2 * c]);
   }
   int first, last;
   split_pages(p, t, first, last);
@@ -952,7 +962,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   for (int pg = first; pg < last; ++pg) {
     int k = st.k;
     mbar_wait(&s.full[k], st.phase);
-    const unsigned char* kpage = s.ring + (size_t)k * kStageBytes;
+    const unsigned char* kpage = sm_ring(s) + (size_t)k * kStageBytes;
     float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < HD / 16; j += 2) {  // S = q K^T for the warp's 8 tokens (two chains when ATTN2)
@@ -982,7 +992,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
     const unsigned pa = pack_bf16(p0, p1);
     k = st.k;
     mbar_wait(&s.full[k], st.phase);
-    const unsigned char* vpage = s.ring + (size_t)k * kStageBytes;
+    const unsigned char* vpage = sm_ring(s) + (size_t)k * kStageBytes;
 #pragma unroll
     for (int n = 0; n < HD / 8; n += 4) {  // O += P V over the warp's 8 tokens
       unsigned vb[4];
@@ -1063,7 +1073,7 @@ __device__ void consume_lm(const Params& p, Smem& s, Stream& st, const Task& t, 
   float best = -INFINITY;
   int arg = 0;
   const int row0 = 8 * t.a[0];
-  consume_rows<2, 8>(p, s, st, t.a[1], s.h, kHStride, [&](int g, int b, int r, float v) {
+  consume_rows<2, 8>(p, s, st, t.a[1], sm_h(s), kHStride, [&](int g, int b, int r, float v) {
     if (v > best) { best = v; arg = row0 + 8 * g + r; }
   });
   // thread tid < 64 holds row b = tid / 8's best over r = tid % 8
@@ -1097,13 +1107,12 @@ __device__ void consume_lm(const Params& p, Smem& s, Stream& st, const Task& t, 
 // ====  8. The kernel  ==========================================================================
 __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const __grid_constant__ Maps maps) {
   extern __shared__ unsigned char raw[];
-  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* base = raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);  // pointer arithmetic: stays shared
   Smem& s = *reinterpret_cast<Smem*>(base);
   if (threadIdx.x == 0) {
     s.stages = ring_stages(p.batch);
-    s.h = reinterpret_cast<bf16*>(base + round_up(sizeof(Smem), 1024));
-    s.act = reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(s.h) + h_bytes(p.batch));
-    s.ring = reinterpret_cast<unsigned char*>(s.act) + act_bytes(p.batch);
+    s.act_off = (int)(round_up(sizeof(Smem), 1024) + h_bytes(p.batch));
+    s.ring_off = s.act_off + (int)act_bytes(p.batch);
     for (int k = 0; k < s.stages; ++k) { mbar_init(&s.full[k], 1); mbar_init(&s.empty[k], kConsumers); }
     for (int k = 0; k < kSig; ++k) { mbar_init(&s.sig_full[k], 1); mbar_init(&s.sig_empty[k], 1); }
     s.sig_k = 0;
