@@ -317,8 +317,8 @@ class NorthcodeApp(App):
 
     def refresh_metrics_soon(self) -> None:
         """After an interrupted request: at once, and again once the server has had time to free its pages."""
-        for delay_s in (0.0, 1.0):
-            self.set_timer(delay_s, self.refresh_metrics)
+        self.call_later(self.refresh_metrics)
+        self.set_timer(1.0, self.refresh_metrics)
 
     async def poll_metrics_while_busy(self) -> None:
         if self.is_busy:
