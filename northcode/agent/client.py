@@ -42,6 +42,7 @@ class Delta:
     elapsed_s: float  # since the request was sent
     num_chunks: int  # content-bearing chunks so far (a live proxy for generated tokens)
     call_idx: int | None = None  # for "tool_call" and "tool_arguments": the call's index in the reply
+    call_id: str | None = None  # for "tool_call": the call's id, where the server sent it with the name
 
 
 @dataclass
@@ -171,7 +172,7 @@ class ChatClient:
                     if chunk.get("usage"):
                         result.usage = chunk["usage"]
                     for choice in chunk.get("choices") or []:
-                        for kind, text, call_idx in _choice_fragments(choice, assembler):
+                        for kind, text, call_idx, call_id in _choice_fragments(choice, assembler):
                             num_chunks += 1
                             now = time.monotonic() - start
                             if result.ttft_s is None:
@@ -180,7 +181,7 @@ class ChatClient:
                                 result.content += text
                             elif kind == "reasoning":
                                 result.reasoning += text
-                            yield Delta(kind, text, now, num_chunks, call_idx)
+                            yield Delta(kind, text, now, num_chunks, call_idx, call_id)
                         if choice.get("finish_reason"):
                             result.finish_reason = choice["finish_reason"]
         except httpx.HTTPError as err:
@@ -214,24 +215,24 @@ async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
             yield chunk
 
 
-def _choice_fragments(choice: dict, assembler: _ToolCallAssembler) -> list[tuple[str, str, int | None]]:
-    """(kind, text, call index) for each fragment of one streamed choice."""
+def _choice_fragments(choice: dict, assembler: _ToolCallAssembler) -> list[tuple[str, str, int | None, str | None]]:
+    """(kind, text, call index, call id) for each fragment of one streamed choice."""
     delta = choice.get("delta") or {}
-    fragments: list[tuple[str, str, int | None]] = []
+    fragments: list[tuple[str, str, int | None, str | None]] = []
     reasoning = delta.get("reasoning_content") or delta.get("reasoning")
     if reasoning:
-        fragments.append(("reasoning", reasoning, None))
+        fragments.append(("reasoning", reasoning, None, None))
     if delta.get("content"):
-        fragments.append(("content", delta["content"], None))
+        fragments.append(("content", delta["content"], None, None))
     for call_delta in delta.get("tool_calls") or []:
         if not isinstance(call_delta, dict):
             continue
         call_idx, name = assembler.add(call_delta)
         if name:
-            fragments.append(("tool_call", name, call_idx))
+            fragments.append(("tool_call", name, call_idx, assembler.by_index[call_idx]["id"]))
         arguments = (call_delta.get("function") or {}).get("arguments")
         if arguments:
-            fragments.append(("tool_arguments", arguments, call_idx))
+            fragments.append(("tool_arguments", arguments, call_idx, None))
     return fragments
 
 

@@ -1,8 +1,8 @@
 """`northcode run -p "task"`: the agent loop without the UI, for scripts.
 
 The final answer goes to stdout (or, with --json, one JSON transcript: the messages, the
-answer, why the run stopped, token usage); progress (server start-up, tool calls) goes to
-stderr. No one can answer approval questions here, so calls that would ask are denied and the
+answer, why the run stopped, token usage; with --output-format stream-json, one JSON event per
+line as it happens, agent/stream_json.py); progress (server start-up, tool calls) goes to stderr. No one can answer approval questions here, so calls that would ask are denied and the
 model is told why: pick --mode auto-edit or full-auto to let it edit or run commands.
 Exit codes: 0 done, 1 the endpoint failed, 2 bad input, 3 step limit reached, 4 the answer was
 cut off by the token limit inside a tool call (which was not run), 130 interrupted.
@@ -15,6 +15,7 @@ import asyncio
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 HELP = "run the agent headless on a task: northcode run -p 'task'"
@@ -25,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-p", "--prompt", required=True, help="the task (use - to read it from stdin)")
     parser.add_argument("--mode", default="auto-edit", choices=["ask", "auto-edit", "full-auto"],
                         help="ask: only reads run; auto-edit (default): reads and edits; full-auto: also shell commands")
-    parser.add_argument("--json", action="store_true", help="print a JSON transcript instead of the answer")
+    parser.add_argument("--json", action="store_true", help="print a JSON transcript instead of the answer "
+                                                            "(--output-format json)")
+    parser.add_argument("--output-format", choices=["text", "json", "stream-json"],
+                        help="text (default): the answer; json: the transcript; stream-json: one JSON event per "
+                             "line as it happens (Claude Code's shape)")
     parser.add_argument("--endpoint", help="an OpenAI-compatible server (default: northcode serve on 127.0.0.1:8000, "
                                            "started in the background if needed)")
     parser.add_argument("--model", type=Path, help="checkpoint folder for the server northcode starts")
@@ -51,6 +56,10 @@ def _progress(text: str) -> None:
     print(_for_terminal(text, sys.stderr), file=sys.stderr, flush=True)
 
 
+def _print_line(line: str) -> None:
+    print(line, flush=True)  # flushed: a reader of the pipe sees each event as it happens
+
+
 def _on_event(event) -> None:
     from northcode.agent.client import Completion
     from northcode.agent.loop import ToolEvent
@@ -68,7 +77,14 @@ def _on_event(event) -> None:
                   f"{usage.get('completion_tokens')} generated]")
 
 
+def _output_format(args: argparse.Namespace) -> str:
+    if args.json and args.output_format not in (None, "json"):
+        raise ValueError(f"--json and --output-format {args.output_format}: choose one")
+    return "json" if args.json else args.output_format or "text"
+
+
 def _check(args: argparse.Namespace) -> str:
+    _output_format(args)
     if args.max_steps < 1:
         raise ValueError(f"--max-steps {args.max_steps}: expected at least 1")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -79,7 +95,8 @@ def _check(args: argparse.Namespace) -> str:
     return prompt
 
 
-async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
+async def _run(args: argparse.Namespace, prompt: str, stream) -> tuple[int, dict]:
+    """The run, and its transcript; `stream` (a StreamJsonWriter, or None) gets every event as it happens."""
     from northcode import paths
     from northcode.agent.approvals import Approvals, Mode
     from northcode.agent.client import ChatClient, EndpointError
@@ -88,7 +105,7 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
     from northcode.agent.served_model import describe_served_model
     from northcode.agent.server_process import connect
     from northcode.agent.sessions import SessionRecorder, SessionStore
-    from northcode.agent.tools import ToolBox
+    from northcode.agent.tools import TOOL_SCHEMAS, ToolBox
 
     workspace = Workspace(args.path)
     model_dir = paths.resolve_model(args.model) if args.model is not None else None
@@ -114,8 +131,20 @@ async def _run(args: argparse.Namespace, prompt: str) -> tuple[int, dict]:
     recorder = SessionRecorder(store, workspace.root, served, session_id)
     params = {"max_tokens": args.max_tokens} if args.max_tokens else {}
     toolbox = ToolBox(workspace, paths.data_dir() / "tool-output")
+
+    def on_message(message: dict) -> None:
+        recorder.save(message)
+        if stream is not None and stream.session_id is None and message.get("role") == "user":  # the session exists
+            tools = [schema["function"]["name"] for schema in TOOL_SCHEMAS]
+            stream.init(recorder.session_id, served, str(workspace.root), tools, args.mode)
+
+    def on_event(event) -> None:
+        _on_event(event)
+        if stream is not None:
+            stream.on_event(event)
+
     agent = Agent(client, toolbox, Approvals(Mode.parse(args.mode), ask=None), messages=history, max_steps=args.max_steps,
-                  on_message=recorder.save, on_retract=recorder.retract, on_event=_on_event, request_params=params)
+                  on_message=on_message, on_retract=recorder.retract, on_event=on_event, request_params=params)
     transcript.update(model=served, model_label=label, endpoint=root)
     try:
         result = await agent.run_turn(prompt)
@@ -164,9 +193,16 @@ def _session_to_continue(args: argparse.Namespace, store, workspace_root: Path) 
 
 
 def run(args: argparse.Namespace) -> int:
+    from northcode.agent.stream_json import StreamJsonWriter
+
     prompt = _check(args)
-    code, transcript = asyncio.run(_run(args, prompt))
-    if args.json:
+    output = _output_format(args)
+    stream = StreamJsonWriter(_print_line) if output == "stream-json" else None
+    start = time.monotonic()
+    code, transcript = asyncio.run(_run(args, prompt, stream))
+    if stream is not None:
+        stream.result(transcript, time.monotonic() - start)
+    elif output == "json":
         print(json.dumps(transcript, indent=2, ensure_ascii=False))
     elif transcript.get("answer") is not None:
         print(_for_terminal(transcript["answer"], sys.stdout))
