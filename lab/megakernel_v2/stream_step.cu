@@ -884,17 +884,6 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
   const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, splits = t.a[3];
   const float* part = p.part + ((size_t)(b * KVH + kvh) * MAX_SPLITS) * GROUP * (HD + 2);
   float* wts = &s.attn[0][0];  // [GROUP][MAX_SPLITS], then den [GROUP]
-#if ATTN3
-  // the first 8 splits' partials are requested before the weights are worked out: their L2 latency overlaps it
-  constexpr int kPer0 = GROUP * HD / (kConsumers * 32);
-  float v0[kPer0][8];
-#pragma unroll
-  for (int e = 0; e < kPer0; ++e) {
-    const int i = tid + e * kConsumers * 32, hq = i / HD, d = i % HD;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v0[e][j] = j < splits ? __ldcg(&part[(j * GROUP + hq) * (HD + 2) + d]) : 0.f;
-  }
-#endif
   float m[2], l[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -926,7 +915,7 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
       const int i = tid + e * kConsumers * 32, hq = i / HD, d = i % HD;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        v[e][j] = sp0 == 0 ? v0[e][j] : sp0 + j < splits ? __ldcg(&part[((sp0 + j) * GROUP + hq) * (HD + 2) + d]) : 0.f;
+        v[e][j] = sp0 + j < splits ? __ldcg(&part[((sp0 + j) * GROUP + hq) * (HD + 2) + d]) : 0.f;
     }
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
@@ -1031,20 +1020,14 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   for (int w = 0; w < kConsumers; ++w) mm = fmaxf(mm, s.warp_m[w][g]);
   const float f = m == -INFINITY ? 0.f : exp2f(m - mm);
   for (int w = 0; w < kConsumers; ++w) {
-    if (warp == w) {  // every load first, then every store: stores between loads would serialize them (aliasing)
-      float cur[HD / 4 + 1];
+    if (warp == w) {
 #pragma unroll
       for (int n = 0; n < HD / 8; ++n) {
-        cur[2 * n] = w ? s.attn[g][8 * n + 2 * c] : 0.f;
-        cur[2 * n + 1] = w ? s.attn[g][8 * n + 2 * c + 1] : 0.f;
+        float* dst = &s.attn[g][8 * n + 2 * c];
+        dst[0] = (w ? dst[0] : 0.f) + f * o[n][0];
+        dst[1] = (w ? dst[1] : 0.f) + f * o[n][1];
       }
-      cur[HD / 4] = w ? s.attn[g][HD + 1] : 0.f;
-#pragma unroll
-      for (int n = 0; n < HD / 8; ++n) {
-        s.attn[g][8 * n + 2 * c] = cur[2 * n] + f * o[n][0];
-        s.attn[g][8 * n + 2 * c + 1] = cur[2 * n + 1] + f * o[n][1];
-      }
-      if (c == 0) s.attn[g][HD + 1] = cur[HD / 4] + f * l;
+      if (c == 0) s.attn[g][HD + 1] = (w ? s.attn[g][HD + 1] : 0.f) + f * l;
       if (c == 0 && w == 0) s.attn[g][HD] = mm;
     }
     consumer_sync();
