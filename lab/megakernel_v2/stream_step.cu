@@ -52,14 +52,6 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef ATTN2
 #define ATTN2 1
 #endif
-// ATTN4: attention's warp partials summed by global REDs into the split's partial (no shared rounds, no copy).
-#ifndef ATTN4
-#define ATTN4 0
-#endif
-// MERGE_CHUNK: splits whose partials the merge has in flight at once.
-#ifndef MERGE_CHUNK
-#define MERGE_CHUNK 8
-#endif
 // ATTN3: the producer reads 8 block-table entries at once, and the split merge has a chunk's loads in flight together.
 #ifndef ATTN3
 #define ATTN3 1
@@ -244,9 +236,6 @@ __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;"
 __device__ __forceinline__ void signal(unsigned* c) {  // after consumer_sync: every consumer's stores are done
   fence_gpu();
   atomicAdd(c, 1u);
-}
-__device__ __forceinline__ void red_add(float* global_addr, float v) {  // global float add, no return value
-  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(global_addr), "f"(v) : "memory");
 }
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -919,20 +908,20 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
 #if ATTN3
   // every load of an 8-split chunk in flight at once: kPer x 8 L2 reads, then the sums
   float acc[kPer] = {};
-  for (int sp0 = 0; sp0 < splits; sp0 += MERGE_CHUNK) {
-    float v[kPer][MERGE_CHUNK];
+  for (int sp0 = 0; sp0 < splits; sp0 += 8) {
+    float v[kPer][8];
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
       const int i = tid + e * kConsumers * 32, hq = i / HD, d = i % HD;
 #pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j)
+      for (int j = 0; j < 8; ++j)
         v[e][j] = sp0 + j < splits ? __ldcg(&part[((sp0 + j) * GROUP + hq) * (HD + 2) + d]) : 0.f;
     }
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
       const int hq = (tid + e * kConsumers * 32) / HD;
 #pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) acc[e] += sp0 + j < splits ? wts[hq * MAX_SPLITS + sp0 + j] * v[e][j] : 0.f;
+      for (int j = 0; j < 8; ++j) acc[e] += sp0 + j < splits ? wts[hq * MAX_SPLITS + sp0 + j] * v[e][j] : 0.f;
     }
   }
 #pragma unroll
@@ -1023,24 +1012,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   // warp partials -> the split's (O, m, l) per query head: M = the warps' max, then each warp adds its scaled share
-  float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
-#if ATTN4
-  // straight into the split's partial in global memory: fire-and-forget REDs, which the ticket's fence waits for
-  // (the last split's merge zeroes every split's partial once it has read them)
-  if (c == 0) s.warp_m[warp][g] = m;
-  consumer_sync();
-  float mm = -INFINITY;
-  for (int w = 0; w < kConsumers; ++w) mm = fmaxf(mm, s.warp_m[w][g]);
-  const float f = m == -INFINITY ? 0.f : exp2f(m - mm);
-#pragma unroll
-  for (int n = 0; n < HD / 8; ++n) {
-    red_add(&part[g * (HD + 2) + 8 * n + 2 * c], f * o[n][0]);
-    red_add(&part[g * (HD + 2) + 8 * n + 2 * c + 1], f * o[n][1]);
-  }
-  if (c == 0) red_add(&part[g * (HD + 2) + HD + 1], f * l);
-  if (c == 0 && warp == 0) part[g * (HD + 2) + HD] = mm;
-  consumer_sync();
-#elif ATTN2
+#if ATTN2
   // in turn, warp by warp (a shared-memory float atomicAdd is a CAS loop, and all 8 warps hit the same words)
   if (c == 0) s.warp_m[warp][g] = m;
   consumer_sync();
@@ -1076,10 +1048,9 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   consumer_sync();
 #endif
   mark(p, 2);  // the warps' partials summed
-  if (!ATTN4) {
-    for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
-    consumer_sync();
-  }
+  float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
+  for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
+  consumer_sync();
   if (tid == 0) {
     fence_gpu();
     s.flag = atomicAdd(&p.counters[ctr(t.layer, C_SPLIT) + b * KVH + kvh], 1u) == (unsigned)t.a[3] - 1;
@@ -1091,10 +1062,6 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
     merge_splits(p, s, t);
     mark(p, 4);  // merged
     finish(p, s, t);
-    if (ATTN4) {  // after the signal, off the critical path: the partials start from zero next step
-      float* all = p.part + ((size_t)(b * KVH + kvh) * MAX_SPLITS) * GROUP * (HD + 2);
-      for (int i = tid; i < t.a[3] * GROUP * (HD + 2); i += kConsumers * 32) all[i] = 0.f;
-    }
   }
 }
 
@@ -1545,7 +1512,6 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   CK(cudaMalloc(&p.slot_w, (size_t)LAYERS * MAX_SLOTS * batch * 4));
   CK(cudaMalloc(&p.moe_act, (size_t)(MAX_SLOTS + 1) * batch * DENSE_I * 2));
   CK(cudaMalloc(&p.part, (size_t)batch * KVH * MAX_SPLITS * GROUP * (HD + 2) * 4));
-  CK(cudaMemset(p.part, 0, (size_t)batch * KVH * MAX_SPLITS * GROUP * (HD + 2) * 4));
   CK(cudaMalloc(&p.attn_out, batch * QSIZE * 2)); CK(cudaMalloc(&p.lm_best, (size_t)lm_tasks * MAXB * 2 * 4));
   CK(cudaMalloc(&p.out_tokens, MAXB * 4));
   CK(cudaMalloc(&p.clocks, 4 * 8));
