@@ -52,10 +52,6 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef ATTN2
 #define ATTN2 1
 #endif
-// ATTN5: attention's warp partials summed in a 3-round tree through shared memory; warp 0 writes the split's partial.
-#ifndef ATTN5
-#define ATTN5 0
-#endif
 // ATTN3: the producer reads 8 block-table entries at once, and the split merge has a chunk's loads in flight together.
 #ifndef ATTN3
 #define ATTN3 1
@@ -1016,45 +1012,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   // warp partials -> the split's (O, m, l) per query head: M = the warps' max, then each warp adds its scaled share
-  float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
-#if ATTN5
-  // a tree in registers: warps 4-7 hand their scaled shares to 0-3 through shared memory (red and attn, free
-  // during attention), then 2-3 to 0-1, then 1 to 0, which writes the split's partial; 3 barriers, not 8
-  static_assert(kConsumers == 8 && sizeof(s.red) + sizeof(s.attn) >= 4 * 32 * (HD / 4 + 1) * sizeof(float),
-                "ATTN5: the tree's scratch");
-  if (c == 0) s.warp_m[warp][g] = m;
-  consumer_sync();
-  float mm = -INFINITY;
-  for (int w = 0; w < kConsumers; ++w) mm = fmaxf(mm, s.warp_m[w][g]);
-  const float f = m == -INFINITY ? 0.f : exp2f(m - mm);
-  float share[HD / 4 + 1];
-#pragma unroll
-  for (int n = 0; n < HD / 8; ++n) { share[2 * n] = f * o[n][0]; share[2 * n + 1] = f * o[n][1]; }
-  share[HD / 4] = f * l;
-  float* scratch = &s.red[0][0][0];  // [4 warps][32 lanes][HD / 4 + 1]: an odd stride, no bank conflicts
-#pragma unroll
-  for (int half = kConsumers / 2; half >= 1; half /= 2) {
-    if (warp >= half && warp < 2 * half) {
-#pragma unroll
-      for (int j = 0; j <= HD / 4; ++j) scratch[((warp - half) * 32 + lane) * (HD / 4 + 1) + j] = share[j];
-    }
-    consumer_sync();
-    if (warp < half) {
-#pragma unroll
-      for (int j = 0; j <= HD / 4; ++j) share[j] += scratch[(warp * 32 + lane) * (HD / 4 + 1) + j];
-    }
-    consumer_sync();
-  }
-  if (warp == 0) {
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      part[g * (HD + 2) + 8 * n + 2 * c] = share[2 * n];
-      part[g * (HD + 2) + 8 * n + 2 * c + 1] = share[2 * n + 1];
-    }
-    if (c == 0) { part[g * (HD + 2) + HD] = mm; part[g * (HD + 2) + HD + 1] = share[HD / 4]; }
-  }
-  consumer_sync();
-#elif ATTN2
+#if ATTN2
   // in turn, warp by warp (a shared-memory float atomicAdd is a CAS loop, and all 8 warps hit the same words)
   if (c == 0) s.warp_m[warp][g] = m;
   consumer_sync();
@@ -1090,10 +1048,9 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   consumer_sync();
 #endif
   mark(p, 2);  // the warps' partials summed
-  if (!ATTN5) {
-    for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
-    consumer_sync();
-  }
+  float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
+  for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
+  consumer_sync();
   if (tid == 0) {
     fence_gpu();
     s.flag = atomicAdd(&p.counters[ctr(t.layer, C_SPLIT) + b * KVH + kvh], 1u) == (unsigned)t.a[3] - 1;
