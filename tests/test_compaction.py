@@ -24,13 +24,19 @@ def test_the_first_request_is_kept_and_cut_only_when_very_long():
     assert short[2]["content"] == "Summary of the work so far:\n\ndid A; next B"
 
 
-async def test_an_empty_summary_is_an_error_and_no_tools_are_offered():
-    with ScriptedEndpoint([text_reply("   ")]) as endpoint:
+async def test_an_empty_summary_or_a_tool_call_is_an_error_and_the_tools_are_offered():
+    from agent_scripted_endpoint import tool_reply
+
+    from northcode.agent.tools import TOOL_SCHEMAS
+
+    with ScriptedEndpoint([text_reply("   "), tool_reply(("list", {}))]) as endpoint:
         client = ChatClient(endpoint.url + "/v1")
         with pytest.raises(CompactError, match="no summary"):
-            await summarise(client, [{"role": "user", "content": "fix it"}])
+            await summarise(client, [{"role": "user", "content": "fix it"}], TOOL_SCHEMAS)
+        with pytest.raises(CompactError, match=r"no summary \(it called a tool instead\)"):
+            await summarise(client, [{"role": "user", "content": "fix it"}], TOOL_SCHEMAS)
         await client.aclose()
-    assert "tools" not in endpoint.requests[0]
+    assert endpoint.requests[0]["tools"] == TOOL_SCHEMAS  # the agent's own: the prompt stays a prefix-cache hit
 
 
 def conversation(turns: int) -> list[dict]:

@@ -138,8 +138,8 @@ async def test_compact_goes_on_from_the_first_request_and_a_summary_in_a_new_ses
             await until(pilot, lambda: not app.is_busy and endpoint.finished == 4)
             assert app.session_id != long_session and len(store.messages(long_session)) == 5
     summary_request = endpoint.requests[2]
-    assert "tools" not in summary_request and summary_request["messages"][-1]["content"].startswith(
-        "[northcode: the conversation is being compacted")
+    assert summary_request["tools"] == endpoint.requests[1]["tools"]  # the agent's own: a prefix-cache hit
+    assert summary_request["messages"][-1]["content"].startswith("[northcode: the conversation is being compacted")
     after = endpoint.requests[3]["messages"]
     assert [m["role"] for m in after] == ["system", "user", "assistant", "user"]
     assert after[1]["content"].endswith("My first request was:\n\ntidy app.py")

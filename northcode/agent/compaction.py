@@ -1,13 +1,15 @@
-"""`/compact`: a long conversation, summarised by the model, becomes a short one that goes on from the summary.
+"""Compaction (`/compact`, or the agent itself before the context fills): a long conversation, summarised by the
+model, becomes a short one that goes on from the summary.
 
-The model gets the whole conversation plus COMPACT_REQUEST (no tools) and writes a summary. The summary keeps the
-goal, what was done and decided, the files touched and what is left. The new conversation is: the same system
-prompt (with AGENTS.md), the user's first request word for word (the goal is not left to the summary), and the
-summary as the assistant's reply. The next user message follows it, so user and assistant turns still alternate
-as chat templates expect. The user asks for it and is told: nothing is summarised behind their back. The
-conversation before compaction stays in its saved session. When the conversation no longer fits the context (the
-reason to compact), its oldest turns after the first request are left out of the summary, half at a time, and the
-user is told how many messages were.
+The model gets the whole conversation plus COMPACT_REQUEST, with the agent's tools still offered (the prompt is
+then the last request's prompt extended, so the server's prefix cache serves all of it; without them the
+rendered prompt differs from the tools' place on), and writes a summary. The summary keeps the goal, what was
+done and decided, the files touched and what is left. The new conversation is: the same system prompt (with
+AGENTS.md), the user's first request word for word (the goal is not left to the summary), and the summary as
+the assistant's reply. The next user message follows it, so user and assistant turns still alternate as chat
+templates expect. The user is always told, whoever started it. The conversation before compaction stays in
+its saved session. When the conversation no longer fits the context, its oldest turns after the first request
+are left out of the summary, half at a time, and the user is told how many messages were.
 """
 
 from __future__ import annotations
@@ -57,14 +59,16 @@ def without_oldest_turns(messages: list[dict]) -> list[dict] | None:
     return [*head, marker, *messages[cut:]] if dropped else None
 
 
-async def summarise(client: ChatClient, messages: list[dict], **params) -> tuple[Completion, int]:
-    """The model's summary of `messages` (no tools offered) and how many messages were left out of it to fit."""
+async def summarise(client: ChatClient, messages: list[dict], tools: list[dict] | None = None,
+                    **params) -> tuple[Completion, int]:
+    """The model's summary of `messages` and how many messages were left out of it to fit. `tools` are the
+    conversation's own (offered, not meant to be called: they keep the prompt a prefix-cache hit)."""
     kept = messages
     for _ in range(MAX_SHORTENINGS + 1):
         completion = None
         try:
             request = [*kept, {"role": "user", "content": COMPACT_REQUEST}]
-            async for event in client.stream_chat(request, None, **params):
+            async for event in client.stream_chat(request, tools, **params):
                 if isinstance(event, Completion):
                     completion = event
         except EndpointError as err:
@@ -74,11 +78,17 @@ async def summarise(client: ChatClient, messages: list[dict], **params) -> tuple
             kept = shorter
             continue
         if completion is None or not completion.content.strip():
-            raise CompactError("the model wrote no summary; the conversation is unchanged")
+            called = " (it called a tool instead)" if completion is not None and completion.tool_calls else ""
+            raise CompactError(f"the model wrote no summary{called}; the conversation is unchanged")
         left_out = len(messages) - len(kept) + (kept is not messages)  # the marker line is not a message of theirs
         return completion, left_out
     raise CompactError("the conversation does not fit the context even without its older turns; start afresh "
                        "with /new")
+
+
+def context_share(context_used: int | None, context_window: int | None) -> float | None:
+    """The share of the window in use, where both are known."""
+    return context_used / context_window if context_used is not None and context_window else None
 
 
 def compacted(messages: list[dict], summary: str) -> list[dict]:

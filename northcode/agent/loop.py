@@ -7,7 +7,9 @@ answers without tool calls, or after `max_steps` model calls. A cancelled turn (
 leaves a valid history: the partial answer is kept and unanswered tool calls get a
 "cancelled" result; a turn that got no reply at all takes its user message back. Tool calls
 cut off by the token limit are never run. Every appended message goes to `on_message` (the
-session store), every take-back to `on_retract`.
+session store), every take-back to `on_retract`. Before a request that would fill more than
+AUTO_COMPACT_SHARE of the context window, the agent compacts the conversation as /compact does
+(compaction.py), says so through `on_event`, and hands the short conversation to `on_compacted`.
 """
 
 from __future__ import annotations
@@ -16,14 +18,20 @@ import asyncio
 import inspect
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from northcode.agent.approvals import Approvals
 from northcode.agent.client import ChatClient, Completion, Delta, EndpointError, ToolCall
+from northcode.agent.compaction import CompactError, compacted, first_request, summarise
+from northcode.agent.sessions import session_title
 from northcode.agent.tools import TOOL_SCHEMAS, PreparedCall, ToolBox, ToolError
 
 DEFAULT_MAX_STEPS = 25
+AUTO_COMPACT_SHARE = 0.85  # of the context window: a request estimated past it is preceded by a compaction
+CHARS_PER_TOKEN = 3  # a cautious estimate for the messages since the last usage (code runs at about 3.5-4)
+CONTINUE_AFTER_COMPACTION = ("[northcode: the conversation was compacted to free the context; the summary above is "
+                             "what is left of it. Go on with the task from where you left off.]")
 AGENTS_FILE = "AGENTS.md"
 MAX_AGENTS_CHARS = 32_000
 SYSTEM_PROMPT = """You are northcode, a coding assistant working in the folder {root}.
@@ -51,6 +59,18 @@ class ToolEvent:
     prepared: PreparedCall | None  # None when the call was invalid
     output: str | None = None
     ok: bool = True
+
+
+@dataclass
+class CompactEvent:
+    """A compaction, for the UI: started (summary and error None), done (summary set) or failed (error set)."""
+
+    trigger: str  # "auto" (the context is filling) | "manual" (/compact)
+    context_used: int | None  # tokens, the agent's estimate for the conversation before it
+    num_messages: int  # messages compacted
+    summary: Completion | None = None
+    left_out: int = 0  # of them, the oldest that did not fit the summary request
+    error: str | None = None
 
 
 @dataclass
@@ -112,8 +132,9 @@ class Agent:
                  messages: list[dict] | None = None, max_steps: int = DEFAULT_MAX_STEPS,
                  use_tools: bool = True, on_message: Callable[[dict], None] | None = None,
                  on_retract: Callable[[int], None] | None = None,
-                 on_event: Callable[[Delta | Completion | ToolEvent], None | Awaitable[None]] | None = None,
-                 request_params: dict | None = None) -> None:
+                 on_event: Callable[[Delta | Completion | ToolEvent | CompactEvent], None | Awaitable[None]] | None = None,
+                 request_params: dict | None = None, context_window: int | None = None,
+                 on_compacted: Callable[[list[dict], str], None] | None = None) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps {max_steps}: expected at least 1")
         self.client, self.toolbox, self.approvals = client, toolbox, approvals
@@ -122,12 +143,17 @@ class Agent:
         self.on_retract = on_retract or (lambda num_messages: None)  # messages from this index on were taken back
         self.on_event = on_event or (lambda event: None)
         self.request_params = request_params or {}
+        self.context_window = context_window  # tokens; None: unknown, never compacted automatically
+        self.on_compacted = on_compacted or (lambda messages, title: None)  # the new conversation and its title
         self.messages: list[dict] = list(messages or [])
         self.notes: list[str] = []  # for the model, sent ahead of the next user message (note())
+        self.context_used: int | None = None  # tokens: prompt + reply of the last request (its usage)
+        self.num_measured = 0  # messages that context_used counts
+        self.num_compacted: int | None = None  # messages right after the last compaction
         if not self.messages:
             self._append({"role": "system", "content": system_prompt(toolbox.workspace.root)})
 
-    async def _emit(self, event: Delta | Completion | ToolEvent) -> None:
+    async def _emit(self, event: Delta | Completion | ToolEvent | CompactEvent) -> None:
         """Tell the UI; `on_event` may be a plain function or a coroutine function."""
         result = self.on_event(event)
         if inspect.isawaitable(result):
@@ -151,14 +177,16 @@ class Agent:
         "tool_call_truncated": the calls are not run (their arguments may be partial) and each
         gets a tool result that says so, which keeps the history valid for the next turn.
         """
-        num_before, notes = len(self.messages), self.notes
+        if self.should_compact(len(user_text)):  # before the request is appended: it stays word for word
+            await self._auto_compact()
+        num_before, notes, compacted_before = len(self.messages), self.notes, self.num_compacted
         self.notes = []
         self._append({"role": "user", "content": "\n\n".join([*(f"[northcode: {n}]" for n in notes), user_text])})
         self.toolbox.journal.begin_turn()  # what /undo takes back: this turn's file changes
         try:
             return await self._work()
         except (asyncio.CancelledError, EndpointError):
-            if len(self.messages) == num_before + 1:  # no reply at all: take the prompt back
+            if len(self.messages) == num_before + 1 and self.num_compacted == compacted_before:  # no reply at all
                 del self.messages[num_before:]
                 self.on_retract(num_before)
                 self.notes = notes + self.notes  # and its notes go with the next one
@@ -168,6 +196,8 @@ class Agent:
         completion: Completion | None = None
         usage: dict | None = None
         for step_idx in range(self.max_steps):
+            if step_idx and self.should_compact() and await self._auto_compact():
+                self._append({"role": "user", "content": CONTINUE_AFTER_COMPACTION})
             completion = await self._model_step()
             usage = sum_usage(usage, completion.usage)
             if not completion.tool_calls:
@@ -203,7 +233,58 @@ class Agent:
                 self._append(Completion(partial.content, partial.reasoning).to_message())
             raise
         self._append(history_message(partial))
+        usage = partial.usage or {}
+        if isinstance(usage.get("prompt_tokens"), int):
+            self.context_used = usage["prompt_tokens"] + (usage.get("completion_tokens") or 0)
+            self.num_measured = len(self.messages)
         return partial
+
+    # --- compaction ---
+
+    def estimated_context(self, extra_chars: int = 0) -> int | None:
+        """Tokens the next request would take: the last one's prompt and reply, and a cautious estimate for the
+        messages since (plus `extra_chars` about to join them); None before any usage."""
+        if self.context_used is None:
+            return None
+        chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in self.messages[self.num_measured:]) + extra_chars
+        return self.context_used + chars // CHARS_PER_TOKEN
+
+    def should_compact(self, extra_chars: int = 0) -> bool:
+        """Whether the next request would pass AUTO_COMPACT_SHARE of the window and a compaction can shorten it
+        (an answer since the start or since the last compaction)."""
+        estimate = self.estimated_context(extra_chars)
+        if estimate is None or not self.context_window or estimate < AUTO_COMPACT_SHARE * self.context_window:
+            return False
+        since = self.messages[self.num_compacted or 0:]
+        return any(m.get("role") == "assistant" for m in since) and any(m.get("role") == "user" for m in self.messages)
+
+    async def _auto_compact(self) -> bool:
+        """Compact before the context fills; a failure (told through on_event) leaves the conversation as it was."""
+        try:
+            await self.compact("auto")
+        except (CompactError, EndpointError):
+            return False
+        return True
+
+    async def compact(self, trigger: str = "manual") -> CompactEvent:
+        """Summarise the conversation and go on from the summary, as compaction.py says; the agent's tools stay
+        offered so the request is a prefix-cache hit. CompactError or EndpointError: nothing changed."""
+        first_request(self.messages)  # CompactError when there is nothing to compact, before any request
+        started = CompactEvent(trigger, self.estimated_context(), len(self.messages))
+        await self._emit(started)
+        params = {k: v for k, v in self.request_params.items() if k != "tool_choice"}  # a forced call is no summary
+        try:
+            summary, left_out = await summarise(self.client, self.messages, TOOL_SCHEMAS if self.use_tools else None,
+                                                **params)
+        except (CompactError, EndpointError) as err:
+            await self._emit(replace(started, error=str(err)))
+            raise
+        before, self.messages = self.messages, compacted(self.messages, summary.content)
+        self.context_used, self.num_measured, self.num_compacted = None, 0, len(self.messages)
+        self.on_compacted(self.messages, session_title(first_request(before)))
+        done = replace(started, summary=summary, left_out=left_out)
+        await self._emit(done)
+        return done
 
     async def _run_tools(self, calls: list[ToolCall]) -> None:
         answered: set[str] = set()

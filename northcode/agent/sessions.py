@@ -136,6 +136,13 @@ class SessionRecorder:
                 self.store.append(self.session_id, earlier)
             self.unsaved = []
 
+    def restart(self, messages: list[dict], title: str) -> None:
+        """The conversation goes on as `messages` in a new session called `title` (a compacted one: the old
+        session keeps the long conversation)."""
+        self.session_id, self.unsaved, self.title = None, [], title
+        for message in messages:
+            self.save(message)
+
     def retract(self, num_messages: int) -> None:
         """The conversation was cut back to its first `num_messages` messages (see Agent.on_retract)."""
         if self.session_id is None:

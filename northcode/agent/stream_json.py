@@ -4,7 +4,8 @@ One JSON object per line, written as it happens, each with a `type` and the `ses
 `system` (subtype `init`: model, cwd, tools, mode) once the session exists; `stream_event` per fragment
 of a model call (Anthropic's streaming events: message_start, content_block_start/delta/stop for
 thinking, text and tool_use blocks, message_delta with the stop reason and usage, message_stop);
-`assistant` with each whole reply; `user` with each tool result; and last `result` (subtype
+`assistant` with each whole reply; `user` with each tool result; `system` (subtype `compact_boundary`)
+after the agent compacted the conversation, in the new session; and last `result` (subtype
 `success`, `error_max_turns` or `error_during_execution`, the answer, the summed usage). Usage is
 Anthropic's: input_tokens leaves out cache_read_input_tokens. No terminal here: lines go to `write`.
 """
@@ -16,7 +17,7 @@ import uuid
 from collections.abc import Callable
 
 from northcode.agent.client import Completion, Delta
-from northcode.agent.loop import ToolEvent
+from northcode.agent.loop import CompactEvent, ToolEvent
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}  # OpenAI's -> Anthropic's
 RESULT_SUBTYPES = {"done": "success", "length": "success", "step_limit": "error_max_turns"}  # else error_during_execution
@@ -68,11 +69,17 @@ class StreamJsonWriter:
         self.session_id, self.model = session_id, model
         self.emit({"type": "system", "subtype": "init", "model": self.model, "cwd": cwd, "tools": tools, "mode": mode})
 
-    def on_event(self, event: Delta | Completion | ToolEvent) -> None:
+    def on_event(self, event: Delta | Completion | ToolEvent | CompactEvent) -> None:
         if isinstance(event, Delta):
             self._delta(event)
         elif isinstance(event, Completion):
             self._completion(event)
+        elif isinstance(event, CompactEvent):
+            if event.summary is not None:
+                metadata = {"trigger": event.trigger, "pre_tokens": event.context_used,
+                            "num_messages": event.num_messages, "left_out": event.left_out}
+                self.emit({"type": "system", "subtype": "compact_boundary", "compact_metadata": metadata,
+                           "summary": event.summary.content})
         elif event.output is not None:
             result = {"type": "tool_result", "tool_use_id": event.call.id, "content": event.output,
                       "is_error": not event.ok}

@@ -62,9 +62,17 @@ def _print_line(line: str) -> None:
 
 def _on_event(event) -> None:
     from northcode.agent.client import Completion
-    from northcode.agent.loop import ToolEvent
+    from northcode.agent.loop import CompactEvent, ToolEvent
 
-    if isinstance(event, ToolEvent):
+    if isinstance(event, CompactEvent):
+        if event.summary is None and event.error is None:
+            _progress(f"northcode run: the context is filling (about {event.context_used} tokens): compacting "
+                      "the conversation before going on")
+        elif event.error is not None:
+            _progress(f"northcode run: compacting failed, going on without it: {event.error}")
+        else:
+            _progress(f"northcode run: compacted {event.num_messages} messages into the first request and a summary")
+    elif isinstance(event, ToolEvent):
         if event.output is None:
             _progress(f"→ {event.prepared.title if event.prepared else event.call.name}")
         else:
@@ -141,10 +149,13 @@ async def _run(args: argparse.Namespace, prompt: str, stream) -> tuple[int, dict
     def on_event(event) -> None:
         _on_event(event)
         if stream is not None:
+            if stream.session_id is not None:  # after a compaction the run goes on in a new session
+                stream.session_id = recorder.session_id
             stream.on_event(event)
 
     agent = Agent(client, toolbox, Approvals(Mode.parse(args.mode), ask=None), messages=history, max_steps=args.max_steps,
-                  on_message=on_message, on_retract=recorder.retract, on_event=on_event, request_params=params)
+                  on_message=on_message, on_retract=recorder.retract, on_event=on_event, request_params=params,
+                  context_window=model.context_window, on_compacted=recorder.restart)
     transcript.update(model=served, model_label=label, endpoint=root)
     try:
         result = await agent.run_turn(prompt)

@@ -25,14 +25,14 @@ from northcode import paths
 from northcode.agent import server_process
 from northcode.agent.approvals import Answer, Approvals, Decision, Mode
 from northcode.agent.client import ChatClient, Completion, Delta, EndpointError
-from northcode.agent.compaction import CompactError, compacted, first_request, summarise
-from northcode.agent.loop import Agent, ToolEvent, TurnResult
+from northcode.agent.compaction import CompactError
+from northcode.agent.loop import Agent, CompactEvent, ToolEvent, TurnResult
 from northcode.agent.mentions import expand_mentions
 from northcode.agent.metrics import kv_usage
 from northcode.agent.sandbox import Workspace
 from northcode.agent.served_model import ServedModel, describe_served_model
 from northcode.agent.session_stats import StreamRate, usage_changes
-from northcode.agent.sessions import UNTITLED, SessionRecorder, SessionStore, session_title
+from northcode.agent.sessions import SessionRecorder, SessionStore
 from northcode.agent.tools import PreparedCall, ToolBox
 from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
 from northcode.tui.slash import SlashCommands
@@ -77,6 +77,7 @@ class NorthcodeApp(App):
         self.last_answer: AssistantMessage | None = None  # the latest answer whose stream has ended
         self.tool_running = False  # between a tool call's start and its result: no request is open
         self.quit_armed_at: float | None = None  # when an idle Ctrl+C said that another one quits
+        self.compacting_session: str | None = None  # the session a compaction leaves behind
         self.tool_views: dict[str, ToolCallView] = {}
         self.pending_calls: dict[int, tuple[ToolCallView, str, int]] = {}  # call index -> (view, name, characters)
         self.stream_rate = StreamRate()
@@ -163,14 +164,14 @@ class NorthcodeApp(App):
     def session_id(self) -> str | None:
         return self.recorder.session_id if self.recorder else None
 
-    def start_session(self, messages: list[dict] | None = None, session_id: str | None = None,
-                      title: str = UNTITLED) -> None:
+    def start_session(self, messages: list[dict] | None = None, session_id: str | None = None) -> None:
         """A new conversation (or a resumed one); a turn still running keeps saving to its own session."""
         assert self.client is not None
-        self.recorder = SessionRecorder(self.store, self.workspace.root, self.client.model or "", session_id, title)
-        self.agent = Agent(self.client, self.toolbox, self.approvals, messages=messages, on_message=self.recorder.save,
-                           on_retract=self.recorder.retract, on_event=self.on_agent_event,
-                           request_params=self.request_params)
+        self.recorder = recorder = SessionRecorder(self.store, self.workspace.root, self.client.model or "", session_id)
+        self.agent = Agent(self.client, self.toolbox, self.approvals, messages=messages, on_message=recorder.save,
+                           on_retract=recorder.retract, on_event=self.on_agent_event,
+                           request_params=self.request_params, on_compacted=recorder.restart,
+                           context_window=self.served.context_window if self.served else None)
 
     async def resume(self, session_id: str) -> None:
         try:
@@ -261,32 +262,36 @@ class NorthcodeApp(App):
     @work(exclusive=True, group="turn", exit_on_error=False)
     async def compact(self) -> None:
         """/compact: the model summarises the conversation, which goes on, shorter, in a new session (the long
-        one stays saved); Esc cancels it and changes nothing."""
-        assert self.agent is not None and self.client is not None
-        agent, old_session = self.agent, self.session_id
-        self.status.show(busy="compacting…")
+        one stays saved); Esc cancels it and changes nothing. The agent does the same when the context fills."""
+        assert self.agent is not None
         try:
-            first_request(agent.messages)  # nothing to compact: said before a request is sent
-            summary, left_out = await summarise(self.client, agent.messages, **self.request_params)
+            await self.agent.compact("manual")
         except (CompactError, EndpointError) as err:
             await self.add(Notice(str(err), "error"))
-            return
         finally:
             self.status.show(busy="")
-        messages = compacted(agent.messages, summary.content)
-        self.start_session(messages, title=session_title(first_request(agent.messages)))
-        self.agent.notes = agent.notes  # an /undo the model has not yet been told of
-        for message in messages:
-            self.recorder.save(message)
-        await self.clear_transcript()
-        for message in messages[1:]:
-            await self.show_saved(message)
-        tokens = (summary.usage or {}).get("completion_tokens")
-        missing = f" (the oldest {left_out} did not fit the context: left out of it)" if left_out else ""
-        await self.add(Notice(f"compacted {len(agent.messages)} messages into the first request and a summary"
-                              f"{f' of {tokens} tokens' if tokens else ''}{missing}; the whole conversation stays "
-                              f"in session {old_session} (/sessions)"))
-        self.status.show(context_used=None, cache_share=None)
+
+    async def on_compact_event(self, event: CompactEvent) -> None:
+        """Tell the user about a compaction, theirs (/compact) or the agent's (the context is filling)."""
+        if event.summary is None and event.error is None:
+            self.compacting_session = self.session_id
+            self.status.show(busy="compacting…")
+            if event.trigger == "auto":
+                share = f"{event.context_used / self.agent.context_window:.0%}" if self.agent.context_window else "?"
+                await self.add(Notice(f"The context is about {share} full: compacting the conversation (as /compact "
+                                      "does) before going on…", "warning"))
+        elif event.error is not None:
+            if event.trigger == "auto":  # /compact's worker says it
+                await self.add(Notice(f"compacting failed, going on without it: {event.error}", "error"))
+                self.status.show(busy="generating…")
+        else:
+            tokens = (event.summary.usage or {}).get("completion_tokens")
+            missing = f" (the oldest {event.left_out} did not fit the context: left out of it)" if event.left_out else ""
+            await self.add(Notice(f"compacted {event.num_messages} messages into the first request and a summary"
+                                  f"{f' of {tokens} tokens' if tokens else ''}{missing}; the whole conversation "
+                                  f"stays in session {self.compacting_session} (/sessions)"))
+            await self.add(AssistantMessage(f"Summary of the work so far:\n\n{event.summary.content.strip()}"))
+            self.status.show(context_used=None, cache_share=None, busy="generating…" if event.trigger == "auto" else "")
 
     def restore_prompt(self, text: str) -> bool:
         """Put a prompt that got no answer back into the input, unless the user is typing another."""
@@ -332,9 +337,11 @@ class NorthcodeApp(App):
             await view.remove()
         self.pending_calls.clear()
 
-    async def on_agent_event(self, event: Delta | Completion | ToolEvent) -> None:
+    async def on_agent_event(self, event: Delta | Completion | ToolEvent | CompactEvent) -> None:
         if isinstance(event, Delta):
             await self.on_delta(event)
+        elif isinstance(event, CompactEvent):
+            await self.on_compact_event(event)
         elif isinstance(event, Completion):
             await self.end_stream()
             self.status.show(**usage_changes(event))
