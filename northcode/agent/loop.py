@@ -1,7 +1,7 @@
 """The agent loop: model call, tool calls, tool results back as tool messages, until done.
 
 One `Agent` holds one conversation. Its message list is append-only across turns (the system
-prompt, with AGENTS.md read once at the start, never changes), so every request repeats the
+prompt, with the instruction files read once at the start (instructions.py), never changes), so every request repeats the
 previous one as a prefix and the server's prefix cache serves it. A turn ends when the model
 answers without tool calls, or after `max_steps` model calls. A cancelled turn (Esc) still
 leaves a valid history: the partial answer is kept and unanswered tool calls get a
@@ -23,7 +23,9 @@ from pathlib import Path
 
 from northcode.agent.approvals import Approvals
 from northcode.agent.client import ChatClient, Completion, Delta, EndpointError, ToolCall
+from northcode import paths
 from northcode.agent.compaction import CompactError, compacted, first_request, summarise
+from northcode.agent.instructions import find_instructions, instructions_prompt
 from northcode.agent.sessions import session_title
 from northcode.agent.tools import TOOL_SCHEMAS, PreparedCall, ToolBox, ToolError
 
@@ -32,8 +34,6 @@ AUTO_COMPACT_SHARE = 0.85  # of the context window: a request estimated past it 
 CHARS_PER_TOKEN = 3  # a cautious estimate for the messages since the last usage (code runs at about 3.5-4)
 CONTINUE_AFTER_COMPACTION = ("[northcode: the conversation was compacted to free the context; the summary above is "
                              "what is left of it. Go on with the task from where you left off.]")
-AGENTS_FILE = "AGENTS.md"
-MAX_AGENTS_CHARS = 32_000
 SYSTEM_PROMPT = """You are northcode, a coding assistant working in the folder {root}.
 Use the tools to look at the code before you change it: read, list, glob and grep to explore, \
 edit for exact string replacements, write for new files, bash for commands (tests, builds, git). \
@@ -42,12 +42,13 @@ Make the smallest change that does the job, check it when you can, and answer br
 
 
 def system_prompt(root: Path) -> str:
-    """The system prompt for a workspace, with its AGENTS.md (if any) appended."""
+    """The system prompt for a workspace, with the AGENTS.md and CLAUDE.md files that apply to it (the user's,
+    the parent folders', the workspace's) appended, the nearest last."""
     prompt = SYSTEM_PROMPT.format(root=root)
-    agents_path = root / AGENTS_FILE
-    if agents_path.is_file():
-        text = agents_path.read_text(encoding="utf-8", errors="replace")[:MAX_AGENTS_CHARS]
-        prompt += f"\n\nProject instructions from {AGENTS_FILE}:\n\n{text.strip()}"
+    found = find_instructions(root, paths.data_dir())
+    if found:
+        prompt += ("\n\nProject instructions follow, the most general first; where they disagree, the later ones "
+                   "win.\n\n" + instructions_prompt(found, root))
     return prompt
 
 

@@ -26,6 +26,7 @@ from northcode.agent import server_process
 from northcode.agent.approvals import Answer, Approvals, Decision, Mode
 from northcode.agent.client import ChatClient, Completion, Delta, EndpointError
 from northcode.agent.compaction import CompactError
+from northcode.agent.instructions import find_instructions, shown_path
 from northcode.agent.loop import Agent, CompactEvent, ToolEvent, TurnResult
 from northcode.agent.mentions import expand_mentions
 from northcode.agent.metrics import kv_usage
@@ -145,6 +146,9 @@ class NorthcodeApp(App):
         progress.update(f"{self.model_label} · workspace {self.workspace.root.name} · /help for keys and commands")
         for note in kept:
             await self.add(Notice(note + "; it keeps running after you quit"))
+        if found := find_instructions(self.workspace.root, paths.data_dir()):
+            names = ", ".join(shown_path(item.path, self.workspace.root) for item in found)
+            await self.add(Notice(f"instructions from {names} join the system prompt"))
         if served.random_weights:
             await self.add(Notice(RANDOM_WEIGHTS_NOTICE, "warning"))
         await self.refresh_metrics()

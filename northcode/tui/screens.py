@@ -146,8 +146,8 @@ makes edits without asking; *full-auto* runs everything but commands that reach 
 workspace (sudo, `rm -rf /…`, force pushes). Paths never leave the workspace, and `.git` is
 never written, in any mode.
 
-`@path` in a prompt attaches that file. `AGENTS.md` at the workspace root joins the
-system prompt.
+`@path` in a prompt attaches that file. `AGENTS.md` and `CLAUDE.md` join the system prompt:
+the workspace's, its parent folders' and those in northcode's data folder.
 """
 
 
