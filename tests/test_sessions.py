@@ -100,3 +100,12 @@ def test_a_prompt_taken_back_leaves_no_trace(store, tmp_path):
     assert [m["content"] for m in store.messages(recorder.session_id)] == ["s", "first", "one", "second"]
     with pytest.raises(ValueError, match="no such session"):
         store.truncate("nope", 0)
+
+
+def test_prompts_are_kept_per_workspace_oldest_first_and_capped(store, tmp_path, monkeypatch):
+    monkeypatch.setattr("northcode.agent.sessions.MAX_PROMPTS", 3)
+    for text in ("one", "two", "two", "three", "four"):
+        store.add_prompt(tmp_path, text)
+    store.add_prompt(tmp_path / "other", "elsewhere")
+    assert store.prompts(tmp_path) == ["two", "three", "four"]  # "two" once: not twice in a row
+    assert store.prompts(tmp_path / "other") == ["elsewhere"]

@@ -3,7 +3,8 @@
 A session is a row (id, title, workspace, model, times) and its messages in order, each
 stored as the exact JSON sent to the endpoint, so a resumed session repeats the same prompt
 prefix (and hits the server's prefix cache). Each message is committed as it is appended:
-a crash or a killed terminal loses nothing already shown.
+a crash or a killed terminal loses nothing already shown. The prompts typed in the app are
+kept too, per workspace (the last MAX_PROMPTS), so Up finds them in the next run.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS messages (
     session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
     message_idx INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (session_id, message_idx));
+CREATE TABLE IF NOT EXISTS prompts (
+    prompt_idx INTEGER PRIMARY KEY AUTOINCREMENT, workspace TEXT NOT NULL, text TEXT NOT NULL);
 """
 MAX_TITLE_CHARS = 60
+MAX_PROMPTS = 500  # per workspace, in the prompt history
 UNTITLED = "(new session)"
 
 
@@ -108,6 +112,21 @@ class SessionStore:
         self._require(session_id)
         with self.db:
             self.db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+
+    def add_prompt(self, workspace: Path, text: str) -> None:
+        """Keep a prompt typed in the app (not twice in a row), the oldest beyond MAX_PROMPTS dropped."""
+        if self.prompts(workspace)[-1:] == [text]:
+            return
+        with self.db:
+            self.db.execute("INSERT INTO prompts (workspace, text) VALUES (?, ?)", (str(workspace), text))
+            self.db.execute("DELETE FROM prompts WHERE workspace = ? AND prompt_idx NOT IN (SELECT prompt_idx FROM "
+                            "prompts WHERE workspace = ? ORDER BY prompt_idx DESC LIMIT ?)",
+                            (str(workspace), str(workspace), MAX_PROMPTS))
+
+    def prompts(self, workspace: Path) -> list[str]:
+        """The workspace's prompt history, oldest first."""
+        rows = self.db.execute("SELECT text FROM prompts WHERE workspace = ? ORDER BY prompt_idx", (str(workspace),))
+        return [text for (text,) in rows]
 
     def _require(self, session_id: str) -> None:
         if self.db.execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:

@@ -106,7 +106,9 @@ class NorthcodeApp(App):
     def on_mount(self) -> None:
         self.chat.anchor()
         self.status.show(mode=self.approvals.mode.value, workspace=self.workspace.root.name)
-        self.query_one(PromptInput).focus()
+        prompt = self.query_one(PromptInput)
+        prompt.load_history(self.store.prompts(self.workspace.root))  # Up finds the last run's prompts
+        prompt.focus()
         self.connect()
 
     async def on_unmount(self) -> None:
@@ -215,6 +217,7 @@ class NorthcodeApp(App):
     # --- a turn ---
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        self.store.add_prompt(self.workspace.root, event.text)
         if event.text.startswith("/"):
             await self.slash.run(event.text)
         elif self.agent is None:

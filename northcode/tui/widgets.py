@@ -60,6 +60,11 @@ class PromptInput(TextArea):
             self._show_history(self.history_idx + 1)
         # other keys: Textual goes on to TextArea._on_key (handlers run down the MRO)
 
+    def load_history(self, prompts: list[str]) -> None:
+        """Earlier prompts (oldest first), before any typed here."""
+        self.prompt_history = [*prompts, *self.prompt_history]
+        self.history_idx = len(self.prompt_history)
+
     def stash(self) -> str:
         """Empty the prompt into the history (Up brings it back); its text, stripped."""
         text = self.text.strip()
