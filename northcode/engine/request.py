@@ -4,7 +4,8 @@ The server and the benchmarks build `SamplingParams` and read `RequestOutput`s; 
 (engine.py) owns everything in between. `SamplingParams.validate` raises ValueError naming the
 parameter, so the server can turn it into a 400; whatever it accepts, the engine and both backends
 can sample (issue 24): the engine then samples `clamped_to(vocab_size)` (vLLM's rules: top_k above the
-vocabulary is the vocabulary, a temperature below SAMPLING_EPS is greedy). Nothing here touches tensors.
+vocabulary is the vocabulary, a temperature below SAMPLING_EPS is greedy). A `GrammarSpec` constrains what a
+request may write (engine/grammar.py compiles it). Nothing here touches tensors.
 """
 
 from __future__ import annotations
@@ -29,8 +30,23 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_token_id_or_none(value: object) -> bool:
+    return value is None or (_is_int(value) and value >= 0)
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """Constrained decoding: the output must match `grammar` (llguidance's: its Lark dialect, with special tokens
+    by name and `%json {schema}` inline, or what llguidance.LLMatcher.grammar_from_* returns). With trigger_id
+    the output is free until that token is sampled, and the token is the grammar's first (a thinking block,
+    then the answer the grammar holds). A grammar that is complete ends the request ("stop")."""
+
+    grammar: str
+    trigger_id: int | None = None  # None: the grammar holds from the first token
 
 
 @dataclass(slots=True)
@@ -50,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False  # for benchmarks: run to max_tokens
     min_tokens: int = 0  # the model's EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's rule)
     skip_special_tokens: bool = True  # text_delta omits special tokens (their ids are still reported)
+    grammar: GrammarSpec | None = None  # None: unconstrained
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field. NaN and infinities fail every range."""
@@ -76,6 +93,10 @@ class SamplingParams:
              and all(_is_int(t) for t in self.stop_token_ids), "must be a list of integers"),
             ("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0, "must be an integer >= 0"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
+            ("grammar", self.grammar is None or (isinstance(self.grammar, GrammarSpec)
+                                                 and isinstance(self.grammar.grammar, str)
+                                                 and _is_token_id_or_none(self.grammar.trigger_id)),
+             "must be None or a GrammarSpec (grammar text, trigger token id or None)"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -4,7 +4,9 @@
 (`sample_on_device`: temperature, then top-k/top-p/min-p, a counter-seeded draw) runs wherever the logits
 are, with no host read; the backends sample every row with it, and the megakernel the same rule in CUDA.
 `Sampler.sample(logits, rows)` is the full sampler for rows that are not `SamplingParams.is_device_sampled`
-(penalties, logprobs); on a row without them it draws the device draw's token bit for bit. Randomness is
+(penalties, logprobs); on a row without them it draws the device draw's token bit for bit. A constrained row
+(engine/grammar.py) comes with a token mask (`TokenMasks`); `apply_token_masks` puts the tokens it does not
+allow at -inf before any of this, on whichever path samples the row. Randomness is
 counter-based: a row's noise comes from a generator seeded by (request seed, draw number), so a request's
 tokens depend only on its own seed and logits, never on what else is in the batch, and a preempted request
 that recomputes draws the same noise again. Order of operations (vLLM's): penalties -> temperature ->
@@ -28,6 +30,39 @@ from northcode.engine.device import to_device
 from northcode.engine.request import SamplingParams, TokenLogprob
 
 SCALED_LIMIT = 1e30  # |scaled logit| at most this: differences of two stay finite in fp32 (max 3.4e38)
+
+
+ALWAYS = -1  # TokenMasks.triggers: the row's mask applies whatever token it feeds
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMasks:
+    """The constrained rows of a step and what each may sample next (engine/grammar.py computes them)."""
+
+    rows: tuple[int, ...]  # the batch rows constrained, ascending
+    bits: torch.Tensor  # host int32 [len(rows), ceil(V / 32)]: bit t % 32 of word t // 32 set = token t allowed
+    triggers: tuple[int, ...]  # per row: ALWAYS, or a token id: the mask applies only if the row feeds that token
+
+
+def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mask words int32 [N, W] -> bool [N, vocab_size] (on the words' device)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None, fed: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] fp32 with the tokens each constrained row may not sample at -inf: a new tensor when any row is
+    constrained (the masks go up without a sync), `logits` itself when none is. fed: device long [B], the tokens
+    the rows fed this step (a mask with a trigger applies only where the row fed it; needed only then)."""
+    if masks is None:
+        return logits
+    device = logits.device
+    index = to_device(torch.tensor(masks.rows, dtype=torch.long), device)
+    banned = ~allowed_tokens(to_device(masks.bits, device), logits.shape[1])  # [N, V]
+    if any(t != ALWAYS for t in masks.triggers):
+        triggers = to_device(torch.tensor(masks.triggers, dtype=torch.long), device)
+        banned &= ((triggers == ALWAYS) | (fed.index_select(0, index) == triggers))[:, None]
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(banned, -torch.inf))
 
 
 @dataclass(slots=True)
@@ -178,8 +213,10 @@ class Sampler:
 
     @staticmethod
     def _scaled(logits: torch.Tensor, rows: list[SamplingRow], args: BatchSamplingArgs) -> torch.Tensor:
-        """Penalties and banned tokens, then temperature (1 for greedy rows): [B, V] fp32."""
-        logits = apply_penalties(logits.float().clone(), rows)
+        """Penalties and banned tokens, then temperature (1 for greedy rows): [B, V] fp32. A logit at -inf (a token
+        a constrained row's mask forbids) stays there: a repetition penalty of fp32 zero would make it NaN."""
+        forbidden = logits == -torch.inf
+        logits = apply_penalties(logits.float().clone(), rows).masked_fill_(forbidden, -torch.inf)
         for b, row in enumerate(rows):
             if row.banned:
                 logits[b, list(row.banned)] = -torch.inf  # scale_logits keeps it finite: -SCALED_LIMIT

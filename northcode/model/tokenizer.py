@@ -2,9 +2,9 @@
 
 `Tokenizer.encode` never turns marker strings found in ordinary text (a file that contains
 "<|END_OF_TURN_TOKEN|>") into special tokens unless asked to: prompts insert markers by id or
-with allow_special=True. `IncrementalDetokenizer` turns a growing list of ids into text pieces
-whose concatenation is always a prefix of the full decode and never ends in half a UTF-8
-character. This module does not render chat templates.
+with allow_special=True; `to_json` hands tokenizer.json to a grammar library. `IncrementalDetokenizer`
+turns a growing list of ids into text pieces whose concatenation is always a prefix of the full decode
+and never ends in half a UTF-8 character. This module does not render chat templates.
 """
 
 from __future__ import annotations
@@ -93,6 +93,10 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._with_special.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """tokenizer.json's text (added tokens included): what a grammar library builds its own view from."""
+        return self._with_special.to_str()
 
     def token_to_id(self, token: str) -> int | None:
         return self._with_special.token_to_id(token)
