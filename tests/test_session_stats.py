@@ -44,3 +44,11 @@ def test_stream_rate_gives_ttft_then_the_live_rate():
     assert rate.changes(Delta("tool_arguments", "{}", elapsed_s=1.5, num_chunks=21, call_idx=0)) == {"tokens_per_s": 20.0}
     rate.reset()  # the next request's first fragment is a new TTFT
     assert rate.changes(Delta("content", "c", elapsed_s=0.3, num_chunks=1)) == {"ttft_s": 0.3}
+
+
+def test_a_narrow_line_leaves_out_the_least_needed_parts_first():
+    stats = SessionStats(model="demo-tiny-seed0 (RANDOM WEIGHTS)", mode="ask", workspace="project", tokens_per_s=70.4,
+                         ttft_s=0.917, context_used=1200, context_window=4096, cache_share=0.5, kv_usage=0.003)
+    assert stats.line(200) == stats.line()
+    assert stats.line(78) == "demo-tiny-seed0 (RANDOM WEIGHTS) │ mode ask │ 70.4 tok/s │ ctx 1200/4096 (29%)"  # 80 columns
+    assert stats.line(40) == "demo-tiny-seed0 (RANDOM WEIGHTS) │ ctx 1200/4096 (29%)"  # what is left: model and ctx

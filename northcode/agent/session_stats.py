@@ -14,6 +14,7 @@ from northcode.agent.client import Completion, Delta
 
 
 COMPACT_HINT_SHARE = 0.8  # of the context window used: the status line suggests /compact from here
+DROP_ORDER = ("workspace", "kv", "ttft", "cache", "rate", "mode")  # what a narrow status line leaves out first
 
 
 @dataclass
@@ -31,22 +32,32 @@ class SessionStats:
     kv_usage: float | None = None  # fraction of the server's KV pages in use
     busy: str = ""  # "generating…", "loading: …", "" when idle
 
-    def line(self) -> str:
-        """The status line; the context part suggests /compact once the window is COMPACT_HINT_SHARE full."""
-        parts = [self.model, f"mode {self.mode}"]
-        parts.append(f"{self.tokens_per_s:.1f} tok/s" if self.tokens_per_s is not None else "– tok/s")
-        parts.append(f"TTFT {self.ttft_s * 1000:.0f} ms" if self.ttft_s is not None else "TTFT –")
+    def line(self, width: int | None = None) -> str:
+        """The status line; the context part suggests /compact once the window is COMPACT_HINT_SHARE full. Where
+        it is wider than `width`, its parts go in DROP_ORDER (the workspace first) until it fits."""
+        parts = {"model": self.model, "mode": f"mode {self.mode}",
+                 "rate": f"{self.tokens_per_s:.1f} tok/s" if self.tokens_per_s is not None else "– tok/s",
+                 "ttft": f"TTFT {self.ttft_s * 1000:.0f} ms" if self.ttft_s is not None else "TTFT –"}
         if self.context_used is not None and self.context_window:
             share = self.context_used / self.context_window
             hint = " /compact" if share >= COMPACT_HINT_SHARE else ""
-            parts.append(f"ctx {self.context_used}/{self.context_window} ({share:.0%}){hint}")
+            parts["ctx"] = f"ctx {self.context_used}/{self.context_window} ({share:.0%}){hint}"
         elif self.context_used is not None:
-            parts.append(f"ctx {self.context_used}")
-        parts.append(f"cache {self.cache_share:.0%}" if self.cache_share is not None else "cache –")
-        parts.append(f"KV {percent(self.kv_usage)}" if self.kv_usage is not None else "KV –")
+            parts["ctx"] = f"ctx {self.context_used}"
+        parts["cache"] = f"cache {self.cache_share:.0%}" if self.cache_share is not None else "cache –"
+        parts["kv"] = f"KV {percent(self.kv_usage)}" if self.kv_usage is not None else "KV –"
         if self.workspace:
-            parts.append(self.workspace)
-        text = " │ ".join(parts)
+            parts["workspace"] = self.workspace
+        text = self._join(parts)
+        for name in DROP_ORDER:
+            if width is None or len(text) <= width:
+                break
+            parts.pop(name, None)
+            text = self._join(parts)
+        return text
+
+    def _join(self, parts: dict[str, str]) -> str:
+        text = " │ ".join(parts.values())
         return f"{self.busy}  {text}" if self.busy else text
 
 

@@ -95,8 +95,13 @@ class StatusLine(Static):
             setattr(self.stats, key, value)
         self.update(self.render_text(), layout=False)
 
+    def on_resize(self) -> None:
+        self.update(self.render_text(), layout=False)
+
     def render_text(self) -> str:
-        return self.stats.line()
+        """The line as wide as the widget shows it (whole before the first layout)."""
+        width = self.content_region.width
+        return self.stats.line(width or None)
 
 
 def highlighted(code: str, language: str) -> Syntax:
