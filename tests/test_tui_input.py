@@ -38,3 +38,43 @@ async def test_the_prompt_history_is_kept_across_runs(workspace, store):
             await until(pilot, lambda: second.agent is not None)
             await pilot.press("up")
             assert second.query_one(PromptInput).text == "from the first run"
+
+
+async def test_the_command_palette_offers_the_apps_commands(workspace, store):
+    from northcode.agent.approvals import Mode
+
+    with ScriptedEndpoint([]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            titles = [command.title for command in app.get_system_commands(app.screen)]
+            assert {"/compact", "/undo", "/sessions", "/mode full-auto", "/model scripted-model"} <= set(titles)
+            await pilot.press("ctrl+p")
+            await pilot.press(*"mode full")
+            await pilot.pause(0.3)
+            await pilot.press("enter")
+            await until(pilot, lambda: app.approvals.mode is Mode.FULL_AUTO)
+            assert app.focused is app.query_one(PromptInput)
+
+
+async def test_a_custom_command_sends_its_prompt_and_is_listed(workspace, store):
+    from northcode.tui.screens import HelpScreen
+
+    commands = workspace / ".northcode" / "commands"
+    commands.mkdir(parents=True)
+    (commands / "review.md").write_text("---\ndescription: look for bugs\n---\nReview $ARGUMENTS for bugs.\n")
+    with ScriptedEndpoint([text_reply("none found")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(100, 40)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            assert "/review" in [command.title for command in app.get_system_commands(app.screen)]
+            await send(app, pilot, "/review app.py")
+            await until(pilot, lambda: endpoint.finished == 1 and not app.is_busy)
+            await send(app, pilot, "/reveiw")
+            await pilot.pause(0.1)
+            assert any("unknown command /reveiw" in n and n.endswith("/quit /review") for n in notices(app))
+            await pilot.press("f1")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+            assert "| /review | look for bugs (custom) |" in app.screen.query_one("Markdown").source
+    assert endpoint.requests[0]["messages"][-1]["content"] == "Review app.py for bugs."
+

@@ -7,6 +7,8 @@ No UI here.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from northcode.agent.approvals import Mode
 
 SLASH_COMMANDS = (  # (name, its argument as the help page writes it (Markdown), what it does)
@@ -22,13 +24,18 @@ SLASH_COMMANDS = (  # (name, its argument as the help page writes it (Markdown),
     ("quit", "", "leave"),
 )
 NAMES = tuple(name for name, _, _ in SLASH_COMMANDS)
+MODE_HELP = {Mode.ASK: "reads run; edits and shell commands ask first",
+             Mode.AUTO_EDIT: "reads and edits run; shell commands ask first",
+             Mode.FULL_AUTO: "everything runs, but commands that reach beyond the workspace ask"}
 
 
-def parse_command(text: str) -> tuple[str, str]:
-    """"/mode  ask " -> ("mode", "ask"); a ValueError that lists the commands for an unknown name."""
+def parse_command(text: str, custom: Collection[str] = ()) -> tuple[str, str]:
+    """"/mode  ask " -> ("mode", "ask"); a ValueError that lists the commands (`custom` ones after the built-in
+    ones) for an unknown name."""
     name, _, argument = text[1:].strip().partition(" ")
-    if name not in NAMES:
-        raise ValueError(f"unknown command /{name}; the commands are {' '.join(f'/{n}' for n in NAMES)}")
+    if name not in NAMES and name not in custom:
+        known = " ".join(f"/{n}" for n in (*NAMES, *custom))
+        raise ValueError(f"unknown command /{name}; the commands are {known}")
     return name, argument.strip()
 
 
@@ -37,7 +44,12 @@ def mode_from_argument(argument: str, current: Mode) -> Mode:
     return Mode.parse(argument) if argument else current.next()
 
 
-def commands_table() -> str:
-    """The commands as a Markdown table, for the help page."""
+def commands_table(custom: Collection[tuple[str, str]] = ()) -> str:
+    """The commands as a Markdown table, for the help page; `custom`: (name, description) of the custom ones."""
     rows = [f"| /{name}{' ' + argument if argument else ''} | {does} |" for name, argument, does in SLASH_COMMANDS]
+    rows += [f"| /{name} | {_escaped(does)} (custom) |" for name, does in custom]
     return "\n".join(["| command | does |", "| --- | --- |", *rows])
+
+
+def _escaped(text: str) -> str:
+    return text.replace("|", "\\|")

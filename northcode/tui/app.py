@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from textual import work
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Footer
@@ -220,21 +221,27 @@ class NorthcodeApp(App):
         self.store.add_prompt(self.workspace.root, event.text)
         if event.text.startswith("/"):
             await self.slash.run(event.text)
-        elif self.agent is None:
-            self.restore_prompt(event.text)  # kept for when the server is ready
+        else:
+            self.send(event.text)
+
+    def send(self, text: str, typed: str | None = None) -> None:
+        """Start a turn on `text`; `typed` is what the user wrote, when not that (a custom command)."""
+        if self.agent is None:
+            self.restore_prompt(typed or text)  # kept for when the server is ready
             self.notify("Not connected to a model yet.", severity="warning")
         elif self.is_busy:
-            self.restore_prompt(event.text)
+            self.restore_prompt(typed or text)
             self.notify("Still answering: Esc stops it.", severity="warning")
         else:
-            self.run_turn(event.text)
+            self.run_turn(text, typed or text)
 
     @work(exclusive=True, group="turn", exit_on_error=False)
-    async def run_turn(self, text: str) -> None:
+    async def run_turn(self, text: str, typed: str) -> None:
+        """One turn on `text`; `typed` is what the screen shows, and what a failed turn gives back to the prompt."""
         assert self.agent is not None
         agent = self.agent
         expanded, attached = expand_mentions(text, self.workspace)
-        await self.add(UserMessage(text))
+        await self.add(UserMessage(typed))
         if attached:
             await self.add(Notice(f"attached {', '.join(attached)}"))
         self.status.show(busy="generating…")
@@ -250,12 +257,12 @@ class NorthcodeApp(App):
             self.refresh_metrics_soon()  # the server frees the request's KV pages
             taken_back = len(agent.messages) == num_before
             await self.add(Notice("interrupted before any answer: your message is back in the prompt" if taken_back
-                                  and self.restore_prompt(text) else "interrupted"))
+                                  and self.restore_prompt(typed) else "interrupted"))
             raise
         except EndpointError as err:
             await self.end_stream()
             await self.add(Notice(str(err), "error"))
-            if len(agent.messages) == num_before and self.restore_prompt(text):
+            if len(agent.messages) == num_before and self.restore_prompt(typed):
                 await self.add(Notice("your message was not sent: it is back in the prompt, Enter sends it again"))
         except Exception as err:  # a bug must not leave the app silently stuck: say what broke
             log.exception("agent turn failed")
@@ -445,7 +452,13 @@ class NorthcodeApp(App):
         await self.slash.run("/sessions")
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        custom = self.slash.custom_commands()
+        self.push_screen(HelpScreen([(name, command.description) for name, command in custom.items()]))
+
+    def get_system_commands(self, screen) -> Iterator[SystemCommand]:
+        """The Ctrl+P palette: the app's own commands, then Textual's (theme, keys, screenshot, quit)."""
+        yield from self.slash.palette_commands()
+        yield from super().get_system_commands(screen)
 
     def show_sessions(self) -> None:
         sessions = self.store.list(self.workspace.root)

@@ -116,7 +116,7 @@ class SessionsScreen(ModalScreen[str | None]):
         self.notify(f"deleted session {row_key.value}")
 
 
-HELP_TEXT = f"""\
+HELP_TEXT = """\
 # northcode
 
 *Esc closes this page; Up, Down and Page Up/Down scroll it.*
@@ -139,7 +139,11 @@ HELP_TEXT = f"""\
 
 **Commands**
 
-{commands_table()}
+{commands}
+
+Custom commands: `NAME.md` in `.northcode/commands/` (or `.claude/commands/`, `.opencode/command/`)
+or in `commands/` of northcode's data folder makes `/NAME`; its text is the prompt, `$ARGUMENTS`
+what follows the name.
 
 **Modes**: *ask* runs reads and asks before edits and commands; *auto-edit* also
 makes edits without asking; *full-auto* runs everything but commands that reach beyond the
@@ -152,11 +156,17 @@ the workspace's, its parent folders' and those in northcode's data folder.
 
 
 class HelpScreen(ModalScreen[None]):
+    """Keys, commands (the custom ones too: (name, description) pairs), modes."""
+
     BINDINGS = [Binding("escape,q,f1", "dismiss_none", "close")]
+
+    def __init__(self, custom: list[tuple[str, str]] | None = None) -> None:
+        super().__init__()
+        self.custom = custom or []
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
-            yield Markdown(HELP_TEXT)
+            yield Markdown(HELP_TEXT.format(commands=commands_table(self.custom)))
 
     def action_dismiss_none(self) -> None:
         self.dismiss(None)

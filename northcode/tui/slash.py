@@ -1,4 +1,5 @@
-"""Slash commands typed in the prompt: /new /sessions /model /mode /undo /compact /clear /help /quit.
+"""Slash commands typed in the prompt (or picked in the Ctrl+P palette): /new /sessions /model /mode /undo
+/compact /clear /help /quit.
 
 Each command is one method `cmd_<name>(argument)`; agent/slash_commands.py parses the line
 (an unknown command gets a notice that lists the known ones) and holds their help lines.
@@ -7,10 +8,17 @@ Commands act on the app (NorthcodeApp) through its public methods.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
+from textual.app import SystemCommand
+
+from northcode import paths
+from northcode.agent.approvals import Mode
+from northcode.agent.custom_commands import CustomCommand, load_commands
 from northcode.agent.edit_journal import UndoError
-from northcode.agent.slash_commands import mode_from_argument, parse_command
+from northcode.agent.slash_commands import MODE_HELP, NAMES, SLASH_COMMANDS, mode_from_argument, parse_command
 from northcode.tui.widgets import Notice
 
 if TYPE_CHECKING:
@@ -21,13 +29,32 @@ class SlashCommands:
     def __init__(self, app: NorthcodeApp) -> None:
         self.app = app
 
+    def custom_commands(self) -> dict[str, CustomCommand]:
+        """The custom commands (agent/custom_commands.py), read afresh."""
+        return load_commands(self.app.workspace.root, paths.data_dir(), reserved=NAMES)
+
     async def run(self, text: str) -> None:
+        custom = self.custom_commands()
         try:
-            name, argument = parse_command(text)
+            name, argument = parse_command(text, custom)
         except ValueError as err:
             await self.app.add(Notice(str(err), "error"))
             return
+        if name in custom:  # its text is the prompt; the screen shows the command as typed
+            self.app.send(custom[name].expand(argument), typed=text.strip())
+            return
         await getattr(self, f"cmd_{name}")(argument)
+
+    def palette_commands(self) -> Iterator[SystemCommand]:
+        """The commands for the Ctrl+P palette: each slash command, /mode with each mode, /model with each id served."""
+        for name, _, does in SLASH_COMMANDS:
+            yield SystemCommand(f"/{name}", does, partial(self.run, f"/{name}"))
+        for mode in Mode:
+            yield SystemCommand(f"/mode {mode.value}", MODE_HELP[mode], partial(self.run, f"/mode {mode.value}"))
+        for model_id in self.app.served.served_ids if self.app.served else ():
+            yield SystemCommand(f"/model {model_id}", "use this model", partial(self.run, f"/model {model_id}"))
+        for name, command in self.custom_commands().items():
+            yield SystemCommand(f"/{name}", f"{command.description} (custom)", partial(self.run, f"/{name}"))
 
     def require_connection(self) -> bool:
         """Whether a model server is connected; warns when not."""
