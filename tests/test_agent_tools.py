@@ -133,3 +133,15 @@ async def test_bash_workdir_stays_in_the_workspace(tools):
 async def test_read_an_empty_file(tools):
     (tools.workspace.root / "empty.txt").write_text("")
     assert await call(tools, "read", filePath="empty.txt") == "(empty.txt is empty)"
+
+
+def test_the_picker_files_outside_git_leave_out_what_gitignore_names(tmp_path):
+    from northcode.agent.file_search import workspace_files
+
+    for rel in ("src/app.py", "build/out.py", "logs/run.log", "src/debug.log", "docs/a/b.md", ".git/HEAD",
+                "node_modules/x/index.js", "out/keep.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    (tmp_path / ".gitignore").write_text("# build output\nbuild/\n*.log\n/docs/a\n!src/debug.log\n")
+    assert workspace_files(Workspace(tmp_path)) == [".gitignore", "out/keep.txt", "src/app.py"]
+

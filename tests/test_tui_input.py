@@ -78,3 +78,35 @@ async def test_a_custom_command_sends_its_prompt_and_is_listed(workspace, store)
             assert "| /review | look for bugs (custom) |" in app.screen.query_one("Markdown").source
     assert endpoint.requests[0]["messages"][-1]["content"] == "Review app.py for bugs."
 
+
+async def test_the_at_picker_fuzzy_matches_the_workspaces_files_and_leaves_out_the_ignored(workspace, store):
+    import subprocess
+
+    from northcode.tui.widgets import FilePicker
+
+    for rel in ("northcode/tui/app.py", "northcode/server/app.py", "docs/tui.md", "build/tui/app.py"):
+        (workspace / rel).parent.mkdir(parents=True, exist_ok=True)
+        (workspace / rel).write_text("x\n")
+    (workspace / ".gitignore").write_text("build/\n")
+    subprocess.run(["git", "init", "-q"], cwd=workspace, check=True)
+    with ScriptedEndpoint([text_reply("seen")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            picker, prompt = app.query_one(FilePicker), app.query_one(PromptInput)
+            await pilot.press(*"look at @tuiap")
+            await until(pilot, lambda: picker.display and picker.option_count)
+            shown = [picker.get_option_at_index(i).id for i in range(picker.option_count)]
+            assert shown[0] == "northcode/tui/app.py" and "build/tui/app.py" not in shown  # .gitignore'd
+            await pilot.press("tab")
+            assert prompt.text == "look at @northcode/tui/app.py " and not picker.display
+            await pilot.press(*"and @ap")
+            await until(pilot, lambda: picker.display)
+            await pilot.press("escape")  # closes the picker only
+            assert not picker.display and prompt.text.endswith("@ap") and app.is_running
+            await pilot.press("p")
+            assert not picker.display  # closed until this @ ends
+            await pilot.press("enter")
+            await until(pilot, lambda: endpoint.finished == 1 and not app.is_busy)
+            assert any("attached northcode/tui/app.py" in n for n in notices(app))
+

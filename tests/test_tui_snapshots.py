@@ -149,3 +149,18 @@ def test_agent_turn_with_tools(snap_compare, workspace, store):
             await settle(pilot, lambda: endpoint.finished == 3 and not app.is_busy)
 
         assert snap_compare(app, terminal_size=(100, 40), run_before=run_before)
+
+
+def test_file_picker(snap_compare, workspace, store):
+    for rel in ("src/northcode/app.py", "src/northcode/server.py", "docs/app.md", "tests/test_app.py"):
+        (workspace / rel).parent.mkdir(parents=True, exist_ok=True)
+        (workspace / rel).write_text("x\n")
+    with ScriptedEndpoint([]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+
+        async def run_before(pilot):
+            await settle(pilot, lambda: app.agent is not None)
+            await pilot.press(*"explain @app")
+            await settle(pilot, lambda: app.query_one("#picker").display and app.query_one("#picker").option_count == 4)
+
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -1,4 +1,5 @@
-"""The read-only search tools: list (a folder tree), glob (files by pattern), grep (regex in files).
+"""The read-only search tools: list (a folder tree), glob (files by pattern), grep (regex in files); and the
+file list of the app's @ picker.
 
 Walks stay inside the workspace: symlinks are not followed into folders, and a file whose real
 path leaves the workspace is skipped. Folders that are noise for a coding agent (.git,
@@ -10,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ MAX_LIST_ENTRIES = 300
 MAX_GLOB_RESULTS = 100
 MAX_GREP_MATCHES = 100
 MAX_GREP_LINE_CHARS = 300
+MAX_PICKER_FILES = 20_000
 
 
 def walk_files(workspace: Workspace, top: Path) -> Iterator[Path]:
@@ -95,3 +98,48 @@ def _text_lines(path: Path) -> list[str]:
     if b"\x00" in data[:8192]:  # binary file
         return []
     return data.decode("utf-8", errors="replace").splitlines()
+
+
+def workspace_files(workspace: Workspace) -> list[str]:
+    """The workspace's files as relative paths, for the @ picker: git's list in a repository (tracked and
+    untracked, .gitignore respected), else a walk that leaves out the noise folders and what the root
+    .gitignore names; at most MAX_PICKER_FILES."""
+    root = workspace.root
+    try:
+        done = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+                              capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        done = None
+    if done is not None and done.returncode == 0:
+        listed = sorted({p for p in done.stdout.decode("utf-8", errors="replace").split("\0") if p})
+        return [p for p in listed if (root / p).is_file()][:MAX_PICKER_FILES]  # the index lists deleted files too
+    patterns = _gitignore_patterns(root / ".gitignore")
+    files: list[str] = []
+    for path in walk_files(workspace, root):
+        rel = path.relative_to(root).as_posix()
+        if not _is_ignored(rel, patterns):
+            files.append(rel)
+            if len(files) == MAX_PICKER_FILES:
+                break
+    return files
+
+
+def _gitignore_patterns(path: Path) -> list[str]:
+    """The plain patterns of a .gitignore (negations, which need git's full rules, are left out)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line.strip() for line in lines if line.strip() and not line.startswith(("#", "!"))]
+
+
+def _is_ignored(rel: str, patterns: list[str]) -> bool:
+    parts = rel.split("/")
+    for pattern in patterns:
+        folder_only, pattern = pattern.endswith("/"), pattern.strip("/")
+        if "/" in pattern:  # anchored at the root: the path or one of its folders
+            if any(fnmatch.fnmatchcase("/".join(parts[:n]), pattern) for n in range(1, len(parts) + (not folder_only))):
+                return True
+        elif any(fnmatch.fnmatchcase(part, pattern) for part in (parts[:-1] if folder_only else parts)):
+            return True
+    return False

@@ -8,21 +8,37 @@ text come from agent/session_stats.py).
 
 from __future__ import annotations
 
+import re
+
 from rich.syntax import Syntax
 from textual import events
 from textual.containers import Vertical
+from textual.fuzzy import Matcher
 from textual.message import Message
-from textual.widgets import Collapsible, Markdown, Static, TextArea
+from textual.widgets import Collapsible, Markdown, OptionList, Static, TextArea
+from textual.widgets.option_list import Option
 
 from northcode.agent.session_stats import SessionStats
 
 
+MENTION_BEFORE_CURSOR = re.compile(r"(?<![\w@])@([\w./\-]*)$")  # an @path being typed, up to the cursor
+PICKER_KEYS = ("up", "down", "tab", "enter", "escape")  # go to the @ picker while it is open
+
+
 class PromptInput(TextArea):
-    """Multi-line prompt: Enter sends, Ctrl+J (or Shift+Enter) adds a line, Up/Down walk the history."""
+    """Multi-line prompt: Enter sends, Ctrl+J (or Shift+Enter) adds a line, Up/Down walk the history; while the @
+    picker is open, Up/Down move in it, Tab or Enter take its file and Esc closes it."""
 
     class Submitted(Message):
         def __init__(self, text: str) -> None:
             self.text = text
+            super().__init__()
+
+    class PickerKey(Message):
+        """A key meant for the @ picker."""
+
+        def __init__(self, key: str) -> None:
+            self.key = key
             super().__init__()
 
     def __init__(self, **kwargs) -> None:
@@ -31,8 +47,26 @@ class PromptInput(TextArea):
         self.prompt_history: list[str] = []
         self.history_idx = 0  # == len(history) when editing a new prompt
         self.draft = ""  # the unsent prompt, kept while Up and Down walk the history
+        self.picker_open = False  # set by the app while the @ picker shows
+
+    def mention_query(self) -> str | None:
+        """What follows the @ being typed at the cursor ("" just after it), or None when the cursor is not in one."""
+        row, column = self.cursor_location
+        match = MENTION_BEFORE_CURSOR.search(self.document.get_line(row)[:column])
+        return match.group(1) if match else None
+
+    def complete_mention(self, path: str) -> None:
+        """Replace the @ being typed with `@path `."""
+        row, column = self.cursor_location
+        query = self.mention_query() or ""
+        self.replace(f"{path} ", (row, column - len(query)), (row, column))
 
     async def _on_key(self, event: events.Key) -> None:
+        if self.picker_open and event.key in PICKER_KEYS:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.PickerKey(event.key))
+            return
         if event.key == "enter":
             event.stop()
             event.prevent_default()
@@ -81,6 +115,34 @@ class PromptInput(TextArea):
         self.history_idx = idx
         self.text = self.prompt_history[idx] if idx < len(self.prompt_history) else self.draft
         self.move_cursor(self.document.end)
+
+
+class FilePicker(OptionList):
+    """The @ picker: the workspace's files that fuzzy-match what follows the @ (Textual's matcher), best first."""
+
+    MAX_SHOWN = 8
+    MAX_SCORED = 2000  # candidates scored per key press, after a cheap in-order check
+
+    def show_matches(self, query: str, files: list[str]) -> None:
+        """Fill the list for `query`; hidden when nothing matches."""
+        in_order = re.compile(".*?".join(map(re.escape, query)), re.I)
+        candidates = [f for f in files if in_order.search(f)][: self.MAX_SCORED]
+        if query:
+            matcher = Matcher(query)
+            scored = sorted(((matcher.match(f), f) for f in candidates), key=lambda pair: (-pair[0], len(pair[1])))
+            options = [Option(matcher.highlight(f), id=f) for score, f in scored[: self.MAX_SHOWN] if score > 0]
+        else:
+            options = [Option(f, id=f) for f in candidates[: self.MAX_SHOWN]]
+        self.clear_options()
+        self.add_options(options)
+        self.display = bool(options)
+        if options:
+            self.highlighted = 0
+
+    @property
+    def chosen(self) -> str | None:
+        """The highlighted file."""
+        return self.get_option_at_index(self.highlighted).id if self.highlighted is not None else None
 
 
 class StatusLine(Static):
