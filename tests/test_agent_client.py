@@ -162,10 +162,28 @@ async def test_a_denial_carries_the_users_note_to_the_model():
 
     approvals = Approvals(Mode.ASK, ask)
     edit = PreparedCall("edit", "edit", "edit a", "diff", noop)
-    assert await approvals.decide(edit) == (False, "denied by the user, who says: use pathlib instead")
-    assert await approvals.decide(edit) == (False, "denied by the user")
-    assert await approvals.decide(edit) == (False, "denied by the user")
-    assert await approvals.decide(edit) == (True, "allow once")
+    assert await approvals.decide(edit) == (False, "denied by the user, who says: use pathlib instead", None)
+    assert await approvals.decide(edit) == (False, "denied by the user", None)
+    assert await approvals.decide(edit) == (False, "denied by the user", None)
+    assert await approvals.decide(edit) == (True, "allow once", None)
+
+
+async def test_an_edit_allowed_with_some_of_its_hunks():
+    from northcode.agent.hunks import diff_hunks
+
+    answers = [Answer(Decision.ALLOW_ONCE, hunks=frozenset({1})), Answer(Decision.ALLOW_ONCE, hunks=frozenset({0, 1}))]
+
+    async def ask(call):
+        return answers.pop(0)
+
+    async def noop():
+        return ""
+
+    before = "".join(f"{n}\n" for n in range(20))
+    hunks = diff_hunks(before, before.replace("1\n", "one\n", 1).replace("18\n", "eighteen\n"))
+    edit = PreparedCall("edit", "edit", "edit a", "diff", noop, hunks)
+    assert await Approvals(Mode.ASK, ask).decide(edit) == (True, "some hunks allowed by the user", frozenset({1}))
+    assert await Approvals(Mode.ASK, ask).decide(edit) == (True, "allow once", None)  # all of them: the whole call
 
 
 async def test_connect_starts_a_background_server_and_reports_its_phases(tiny_checkpoint):

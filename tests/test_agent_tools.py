@@ -145,3 +145,15 @@ def test_the_picker_files_outside_git_leave_out_what_gitignore_names(tmp_path):
     (tmp_path / ".gitignore").write_text("# build output\nbuild/\n*.log\n/docs/a\n!src/debug.log\n")
     assert workspace_files(Workspace(tmp_path)) == [".gitignore", "out/keep.txt", "src/app.py"]
 
+
+async def test_an_edit_applied_with_some_hunks_only(tmp_path):
+    before = "".join(f"{n}\n" for n in range(20))
+    (tmp_path / "f.txt").write_text(before)
+    box = ToolBox(Workspace(tmp_path), tmp_path / "spill")
+    after = before.replace("1\n", "one\n", 1).replace("18\n", "eighteen\n")
+    call = box.prepare("write", {"filePath": "f.txt", "content": after})
+    assert len(call.hunks) == 2 and box.prepare("write", {"filePath": "new.txt", "content": "x"}).execute_hunks is None
+    output = await call.execute_hunks(frozenset({1}))
+    assert (tmp_path / "f.txt").read_text() == before.replace("18\n", "eighteen\n")
+    assert output.startswith("updated f.txt with hunk 2 of 2 only (the user rejected hunk 1)") and "+one\n" in output
+    assert box.journal.undo_last_turn() == ["restored f.txt"] and (tmp_path / "f.txt").read_text() == before

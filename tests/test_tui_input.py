@@ -110,3 +110,33 @@ async def test_the_at_picker_fuzzy_matches_the_workspaces_files_and_leaves_out_t
             await until(pilot, lambda: endpoint.finished == 1 and not app.is_busy)
             assert any("attached northcode/tui/app.py" in n for n in notices(app))
 
+
+async def test_an_edit_reviewed_hunk_by_hunk_writes_exactly_the_hunks_taken(workspace, store):
+    from agent_scripted_endpoint import tool_reply
+
+    from northcode.tui.screens import ApprovalScreen, HunkReviewScreen
+
+    before = "".join(f"line {n}\n" for n in range(1, 21))
+    (workspace / "notes.txt").write_text(before)
+    after = before.replace("line 2\n", "line two\n").replace("line 18\n", "line eighteen\n")
+    write = ("write", {"filePath": "notes.txt", "content": after})
+    with ScriptedEndpoint([tool_reply(write), text_reply("ok")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(100, 40)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "rename two lines")
+            await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+            await pilot.press("h")
+            await until(pilot, lambda: isinstance(app.screen, HunkReviewScreen))
+            await pilot.press("n")  # leave the first hunk out; the second is current now
+            await pilot.press("escape")  # back to the prompt, then review again: all taken anew
+            await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+            await pilot.press("h")
+            await until(pilot, lambda: isinstance(app.screen, HunkReviewScreen))
+            await pilot.press("n", "y", "enter")
+            await until(pilot, lambda: endpoint.finished == 2 and not app.is_busy)
+    assert (workspace / "notes.txt").read_text() == before.replace("line 18\n", "line eighteen\n")
+    result = endpoint.requests[1]["messages"][-1]["content"]
+    assert result.startswith("updated notes.txt with hunk 2 of 2 only (the user rejected hunk 1); the file does not "
+                             "have these hunks of your write:\n@@ -1,5 +1,5 @@\n")
+    assert "-line 2\n+line two\n" in result and "eighteen" not in result

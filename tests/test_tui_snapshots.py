@@ -151,6 +151,25 @@ def test_agent_turn_with_tools(snap_compare, workspace, store):
         assert snap_compare(app, terminal_size=(100, 40), run_before=run_before)
 
 
+def test_hunk_review_screen(snap_compare, workspace, store):
+    from northcode.tui.screens import HunkReviewScreen
+
+    before = "def greet(name):\n    return 'hello ' + name\n" + "".join(f"# {n}\n" for n in range(10))
+    (workspace / "app.py").write_text(before)
+    after = before.replace("'hello ' + name", "f'hello {name}'").replace("# 9\n", "# nine\n")
+    with ScriptedEndpoint([tool_reply(("write", {"filePath": "app.py", "content": after}))]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+
+        async def run_before(pilot):
+            await settle(pilot, lambda: app.agent is not None)
+            await type_and_send(pilot, "use an f-string")
+            await settle(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+            await pilot.press("h", "n")
+            await settle(pilot, lambda: isinstance(app.screen, HunkReviewScreen))
+
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
 def test_file_picker(snap_compare, workspace, store):
     for rel in ("src/northcode/app.py", "src/northcode/server.py", "docs/app.md", "tests/test_app.py"):
         (workspace / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 Modes: `ask` (reads run; edits and shell commands ask), `auto-edit` (reads and edits run; shell
 asks), `full-auto` (everything runs). The answer to a question is allow once, allow for this
 session (every edit from then on; for shell, that exact command again) or deny, with or without a
-note that tells the model what to do instead. With no one to ask (headless), a call that needs a
+note that tells the model what to do instead; for an edit, also some of its hunks only. With no one to ask (headless), a call that needs a
 question is denied with a reason the model can read.
 The sandbox's path checks hold in every mode; approvals never widen them. Shell commands that
 can do damage beyond the workspace (sudo, recursive deletes of absolute, home or parent paths,
@@ -58,10 +58,12 @@ def is_dangerous(command: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """A decision with the user's words for the model (a denial that says what to do instead)."""
+    """A decision with the user's words for the model (a denial that says what to do instead), or, allowing an
+    edit, the indices of the hunks to apply (None: all)."""
 
     decision: Decision
     note: str = ""
+    hunks: frozenset[int] | None = None
 
 
 AUTO_KINDS = {Mode.ASK: {"read"}, Mode.AUTO_EDIT: {"read", "edit"}, Mode.FULL_AUTO: {"read", "edit", "shell"}}
@@ -79,20 +81,25 @@ class Approvals:
     def _session_key(self, call: PreparedCall) -> tuple[str, str]:
         return (call.kind, call.preview if call.kind == "shell" else "")
 
-    async def decide(self, call: PreparedCall) -> tuple[bool, str]:
-        """Whether `call` may run, and why (the reason goes to the model when it is denied)."""
+    async def decide(self, call: PreparedCall) -> tuple[bool, str, frozenset[int] | None]:
+        """Whether `call` may run, why (the reason goes to the model when it is denied), and the hunks of an
+        edit the user took (None: the whole call)."""
         dangerous = call.kind == "shell" and is_dangerous(call.preview)
         if call.kind in AUTO_KINDS[self.mode] and not dangerous:
-            return True, f"allowed by mode {self.mode.value}"
+            return True, f"allowed by mode {self.mode.value}", None
         if self._session_key(call) in self.session_allowed and not dangerous:
-            return True, "allowed for this session"
+            return True, "allowed for this session", None
         if self.ask is None:
             return False, (f"denied: mode {self.mode.value} needs the user's approval for {call.kind} calls "
-                           "and no one can answer in a headless run")
+                           "and no one can answer in a headless run"), None
         answer = await self.ask(call)
-        decision, note = (answer.decision, answer.note.strip()) if isinstance(answer, Answer) else (answer, "")
+        if not isinstance(answer, Answer):
+            answer = Answer(answer)
+        decision, note = answer.decision, answer.note.strip()
         if decision is Decision.ALLOW_SESSION and not dangerous:
             self.session_allowed.add(self._session_key(call))
         if decision is Decision.DENY:
-            return False, f"denied by the user, who says: {note}" if note else "denied by the user"
-        return True, decision.value
+            return False, f"denied by the user, who says: {note}" if note else "denied by the user", None
+        if answer.hunks is not None and len(answer.hunks) < len(call.hunks):
+            return True, "some hunks allowed by the user", answer.hunks
+        return True, decision.value, None

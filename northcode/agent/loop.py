@@ -310,12 +310,13 @@ class Agent:
             await self._emit(ToolEvent(call, None, output, ok=False))
             return output
         await self._emit(ToolEvent(call, prepared))
-        allowed, reason = await self.approvals.decide(prepared)
+        allowed, reason, hunks = await self.approvals.decide(prepared)
         if not allowed:
             output, ok = f"The user did not run this call ({reason}). Nothing was changed.", False
         else:
             try:
-                output, ok = await prepared.execute(), True
+                run = prepared.execute if hunks is None else lambda: prepared.execute_hunks(hunks)
+                output, ok = await run(), True
             except (ToolError, OSError) as err:
                 output, ok = f"Error: {err}", False
         await self._emit(ToolEvent(call, prepared, output, ok))

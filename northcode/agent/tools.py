@@ -12,11 +12,12 @@ from __future__ import annotations
 import difflib
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from northcode.agent import file_search
 from northcode.agent.edit_journal import EditJournal, FileChange, file_text
+from northcode.agent.hunks import Hunk, apply_hunks, diff_hunks
 from northcode.agent.sandbox import Workspace
 from northcode.agent.shell import run_shell
 
@@ -80,6 +81,8 @@ class PreparedCall:
     title: str  # one line for the user: "edit src/app.py", "bash: pytest -q"
     preview: str  # unified diff (edit kind), the command (shell kind), "" for reads
     execute: Callable[[], Awaitable[str]]
+    hunks: list[Hunk] = field(default_factory=list)  # an edit of an existing file: its diff's hunks
+    execute_hunks: Callable[[frozenset[int]], Awaitable[str]] | None = None  # the edit with only these hunks
 
 
 class ToolBox:
@@ -189,18 +192,30 @@ class ToolBox:
     def _file_change(self, name: str, path: Path, before: str | None, after: str) -> PreparedCall:
         rel = self.workspace.relative(path)
         diff = unified_diff(rel, before, after)
+        hunks = diff_hunks(before, after) if before is not None else []
 
-        async def execute() -> str:
+        def write(text: str) -> None:
             if file_text(path) != before:
                 raise ToolError(f"{rel} changed since this {name} was prepared; read it again")
             missing = tuple(folder for folder in path.parents if not folder.exists())  # deepest first
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(after.encode("utf-8"))  # bytes: keeps CRLF line ends as they were
-            self.journal.record(FileChange(path, rel, before, after, missing))
-            verb = "created" if before is None else "updated"
-            return f"{verb} {rel}\n{diff}"
+            path.write_bytes(text.encode("utf-8"))  # bytes: keeps CRLF line ends as they were
+            self.journal.record(FileChange(path, rel, before, text, missing))
 
-        return PreparedCall(name, "edit", f"{name} {rel}", diff, execute)
+        async def execute() -> str:
+            write(after)
+            return f"{'created' if before is None else 'updated'} {rel}\n{diff}"
+
+        async def execute_hunks(accepted: frozenset[int]) -> str:
+            assert before is not None and accepted, "a review of an existing file's edit, with a hunk accepted"
+            write(apply_hunks(before, after, hunks, accepted))
+            left_out = [idx for idx in range(len(hunks)) if idx not in accepted]
+            taken = ", ".join(str(idx + 1) for idx in sorted(accepted))
+            return (f"updated {rel} with hunk {taken} of {len(hunks)} only (the user rejected hunk "
+                    f"{', '.join(str(idx + 1) for idx in left_out)}); the file does not have these hunks of your "
+                    f"{name}:\n" + "".join(hunks[idx].text for idx in left_out))
+
+        return PreparedCall(name, "edit", f"{name} {rel}", diff, execute, hunks, execute_hunks if hunks else None)
 
     # --- shell ---
 

@@ -1,8 +1,10 @@
-"""Modal screens: the approval prompt (with the diff or command), the session list, the help page.
+"""Modal screens: the approval prompt (with the diff or command), its hunk-by-hunk review, the session list, the
+help page.
 
-Each is dismissed with its answer: ApprovalScreen with a Decision (Esc denies) or, when the user
-denies and says why, an Answer with that note for the model; SessionsScreen
-with the id of the session to resume (or None), HelpScreen with nothing.
+Each is dismissed with its answer: ApprovalScreen with a Decision (Esc denies) or an Answer (a denial
+with the user's note for the model, or an edit with only the hunks HunkReviewScreen took); HunkReviewScreen
+with the indices of the hunks taken (None: back); SessionsScreen with the id of the session to resume
+(or None), HelpScreen with nothing.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from northcode.tui.widgets import highlighted
 
 class ApprovalScreen(ModalScreen[Decision | Answer]):
     """Asks whether one tool call may run: y allow once, a allow for this session, n or Esc deny, t deny and
-    say why (a line for the model: what to do instead; Enter sends it, the diff stays in view to quote)."""
+    say why (a line for the model: what to do instead; Enter sends it, the diff stays in view to quote),
+    h review an edit of several hunks one by one."""
 
     BINDINGS = [Binding("y", "decide('allow_once')", "allow once"),
                 Binding("a", "decide('allow_session')", "allow for this session"),
                 Binding("n,escape", "decide('deny')", "deny"),
-                Binding("t", "deny_with_note", "deny and say why")]
+                Binding("t", "deny_with_note", "deny and say why"),
+                Binding("h", "review_hunks", "hunk by hunk")]
 
     def __init__(self, call: PreparedCall) -> None:
         super().__init__()
@@ -38,7 +42,9 @@ class ApprovalScreen(ModalScreen[Decision | Answer]):
     def compose(self) -> ComposeResult:
         language = "diff" if self.call.kind == "edit" else "bash"
         with Vertical(id="approval"):
-            yield Static(f"Allow this {self.call.kind} call?  (t: deny and tell the model why)", classes="modal-title")
+            hunks = f"; h: hunk by hunk ({len(self.call.hunks)})" if len(self.call.hunks) > 1 else ""
+            yield Static(f"Allow this {self.call.kind} call?  (t: deny and tell the model why{hunks})",
+                         classes="modal-title")
             if self.call.kind != "shell":  # a command is shown once, highlighted, below
                 yield Static(self.call.title, markup=False, classes="approval-call")
             with VerticalScroll(id="approval-preview"):
@@ -62,12 +68,81 @@ class ApprovalScreen(ModalScreen[Decision | Answer]):
         note.display = True
         note.focus()
 
+    def action_review_hunks(self) -> None:
+        if len(self.call.hunks) < 2:
+            return
+
+        def reviewed(taken: frozenset[int] | None) -> None:
+            if taken is None:
+                return  # back to this prompt
+            if not taken:
+                self.dismiss(Decision.DENY)
+            else:
+                self.dismiss(Answer(Decision.ALLOW_ONCE, hunks=taken))
+
+        self.app.push_screen(HunkReviewScreen(self.call), reviewed)
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.action_decide(event.button.id or "deny")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         self.dismiss(Answer(Decision.DENY, event.value.strip()))
+
+
+class HunkReviewScreen(ModalScreen[frozenset[int] | None]):
+    """An edit's hunks one at a time: y takes the current one and n leaves it (both move on), Up/Down move,
+    Space flips it, Enter applies the hunks taken (none: the edit is denied), Esc goes back. All start taken."""
+
+    BINDINGS = [Binding("y", "mark(True)", "take"), Binding("n", "mark(False)", "leave"),
+                Binding("space", "flip", "flip"), Binding("up,k", "move(-1)", "previous"),
+                Binding("down,j", "move(1)", "next"), Binding("enter", "apply", "apply"),
+                Binding("escape", "dismiss_none", "back")]
+
+    def __init__(self, call: PreparedCall) -> None:
+        super().__init__()
+        self.call = call
+        self.taken = [True] * len(call.hunks)
+        self.current = 0
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="hunks"):
+            yield Static(f"{self.call.title}: y take · n leave · Space flip · Up/Down move · Enter apply · Esc back",
+                         markup=False, classes="modal-title")
+            with VerticalScroll(id="hunk-list", can_focus=False):
+                for idx, hunk in enumerate(self.call.hunks):
+                    yield Static("", markup=False, id=f"hunk-label-{idx}", classes="hunk-label")
+                    yield Static(highlighted(hunk.text, "diff"), classes="hunk")
+
+    def on_mount(self) -> None:
+        self.show()
+
+    def show(self) -> None:
+        for idx, taken in enumerate(self.taken):
+            label = self.query_one(f"#hunk-label-{idx}", Static)
+            marker = "▶" if idx == self.current else " "
+            label.update(f"{marker} hunk {idx + 1} of {len(self.taken)}: {'taken' if taken else 'left out'}")
+            label.set_class(idx == self.current, "current")
+            label.set_class(not taken, "left-out")
+        self.query_one(f"#hunk-label-{self.current}").scroll_visible()
+
+    def action_move(self, step: int) -> None:
+        self.current = min(max(self.current + step, 0), len(self.taken) - 1)
+        self.show()
+
+    def action_mark(self, taken: bool) -> None:
+        self.taken[self.current] = taken
+        self.action_move(1)
+
+    def action_flip(self) -> None:
+        self.taken[self.current] = not self.taken[self.current]
+        self.show()
+
+    def action_apply(self) -> None:
+        self.dismiss(frozenset(idx for idx, taken in enumerate(self.taken) if taken))
+
+    def action_dismiss_none(self) -> None:
+        self.dismiss(None)
 
 
 def _age(timestamp: float) -> str:
