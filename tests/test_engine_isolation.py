@@ -147,7 +147,8 @@ def test_the_kernel_row_packs_every_value_a_validated_request_carries():
     vocab = 1024
     packed = RowSpec(position=2**31 - 1, seq=63, step=2**31 - 1, seed=2**64 - 1, temperature=100.0,
                      top_k=2**63, top_p=1e-300, min_p=1.0).pack(vocab)
-    position, _, step, top_k, seed, temperature, top_p, min_p, _ = struct.unpack(ROW_FORMAT, packed)
+    position, _, step, top_k, seed, temperature, top_p, min_p, trigger, mask = struct.unpack(ROW_FORMAT, packed)
+    assert (trigger, mask) == (-1, 0)  # unconstrained: no mask to read
     assert (position, step, top_k, seed, temperature, top_p, min_p) == (2**31 - 1, 2**31 - 1, 0, 2**64 - 1, 100.0,
                                                                         0.0, 1.0)
     assert struct.unpack(ROW_FORMAT, RowSpec(0, 0, seed=-1, top_k=5, temperature=1e-39).pack(vocab))[3:6] == \

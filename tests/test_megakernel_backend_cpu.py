@@ -19,7 +19,8 @@ from northcode.engine.engine import Engine
 from northcode.engine.kv_cache import KVCacheManager
 from northcode.engine.pipeline import IN_FLIGHT
 from northcode.engine.request import SamplingParams
-from northcode.engine.sampling import BatchSamplingArgs, SamplingRow, sample_on_device
+from northcode.engine.sampling import (ALWAYS, BatchSamplingArgs, SamplingRow, TokenMasks, apply_token_masks,
+                                      sample_on_device)
 from northcode.engine.settings import EngineSettings
 from northcode.megakernel.backend import MegakernelBackend
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, RowSpec
@@ -74,6 +75,9 @@ class FakeMegakernel:
         sampling = BatchSamplingArgs.prepare(
             [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p) for r in rows],
             [r.seed + self.draw_salt for r in rows], [r.step for r in rows])
+        for b, r in enumerate(rows):  # as the kernel's LM_HEAD: a constrained row's forbidden logits at -inf
+            if r.mask is not None and r.trigger in (ALWAYS, inputs[b]):
+                logits[b] = apply_token_masks(logits[b:b + 1], TokenMasks((0,), r.mask[None], (ALWAYS,)))[0]
         self.logits[:n] = logits
         self.tokens[:n] = sample_on_device(logits, sampling).to(torch.int32)
 
@@ -369,3 +373,35 @@ def test_a_seeded_request_draws_the_same_tokens_beside_a_penalised_one_as_alone(
         assert engine.stats()["pages_used"] == 0
     finally:
         engine.shutdown()
+
+
+def test_constrained_rows_are_masked_by_the_kernel_as_by_the_torch_backend(engines):
+    """JSON schemas and a grammar dormant until a token the rows write a few tokens in (its armed mask, read by
+    the kernel against the token each row fed) beside free rows, twelve rows in two launches: the torch engine's
+    tokens, and JSON that validates."""
+    import json
+
+    import jsonschema
+
+    from northcode.engine.grammar import DUMPS_STYLE, json_text
+    from northcode.engine.request import GrammarSpec
+
+    fake, reference = engines
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    body = f"%json {json_text({**schema, 'x-guidance': DUMPS_STYLE})}"
+    free = requests_of_twelve()
+    (trigger_prompt, trigger_params), = free[:1]
+    trigger = tokens_of(run(reference, [(trigger_prompt, trigger_params)])[0])[2]
+    constrained = [(prompt_of(7 + i, salt=9), SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 1.0, seed=i,
+                                                               grammar=GrammarSpec(f"start: {body}"))) for i in range(5)]
+    dormant = (trigger_prompt, SamplingParams(max_tokens=40, temperature=0.0,
+                                              grammar=GrammarSpec(f"start: <[{trigger}]> {body}", trigger)))
+    requests = constrained + [dormant] + free[6:]
+    got = run(fake, requests)
+    assert [outcome(o) for o in got] == [outcome(o) for o in run(reference, requests)]
+    tokenizer = fake.tokenizer
+    for outputs in got[:5]:
+        jsonschema.validate(json.loads(tokenizer.decode(tokens_of(outputs))), schema)
+    after = tokens_of(got[5])
+    jsonschema.validate(json.loads(tokenizer.decode(after[after.index(trigger) + 1:])), schema)

@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#define NC_ABI_VERSION 6
+#define NC_ABI_VERSION 7
 
 #if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
@@ -117,9 +117,10 @@ struct RowState {  // one batch row, uploaded by the host each step
   float temperature;   // <= 0: greedy
   float top_p;         // 1: off
   float min_p;         // 0: off
-  float pad;
+  int trigger;         // the mask applies only when the row fed this token this step; -1: whenever it is set
+  const unsigned* mask;  // null: unconstrained; else [ceil(V / 32)] words, bit v % 32 of word v / 32: token v allowed
 };
-static_assert(sizeof(RowState) == 40, "RowState layout");
+static_assert(sizeof(RowState) == 48, "RowState layout");
 
 enum LayerPtr { LP_NORM = 0, LP_Q, LP_K, LP_V, LP_O, LP_ROUTER, LP_EXPERT_GATE_UP, LP_EXPERT_DOWN,
                 LP_GATE, LP_UP, LP_DOWN, NUM_LAYER_PTRS };
@@ -1411,12 +1412,16 @@ __device__ void task_dense_down(const Params& p, const Task& t, unsigned char* s
 //   32-row tiles of the (tied) LM head over the final-normed h: logits[b][v] = logit_scale * dot.
 //   Also keeps, per row, the task's best logit (greedy) and best logit/T + Gumbel noise (sampling
 //   without filters) in lm_partial, so SAMPLE needs no pass over the vocabulary on those paths.
+//   A constrained row (RowState.mask; its trigger, if any, is the token it fed: tokens[b], which
+//   SAMPLE overwrites only after every LM_HEAD task) has the logits its mask forbids at -inf, in
+//   logits and in the partials, so every sampling path and the host see the masked row.
 __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
   const bool live = b < p.batch_size;
   RowState rs{};
   if (live) rs = p.rows[b];
+  const unsigned* mask = live && rs.mask && (rs.trigger < 0 || p.tokens[b] == rs.trigger) ? rs.mask : nullptr;
   ArgMax greedy{-INFINITY, 1 << 30}, noisy{-INFINITY, 1 << 30};
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const int row0 = tile * 32;
@@ -1426,7 +1431,8 @@ __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem
     mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int v = row0 + n * 16 + r;
     if (live && v < kVocab) {
-      const float logit = s.out[i] * p.logit_scale;
+      const bool banned = mask && !((__ldg(mask + (v >> 5)) >> (v & 31)) & 1u);
+      const float logit = banned ? -INFINITY : s.out[i] * p.logit_scale;
       p.logits[(size_t)b * kVocab + v] = logit;
       greedy = better(greedy, ArgMax{logit, v});
       if (rs.temperature > 0.f)

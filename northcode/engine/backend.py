@@ -18,11 +18,16 @@ Protocol (the engine calls these from its step thread, never concurrently):
      K/V and returns a DecodeResult: with `batch.sample`, a token for every row drawn on the device from
      `batch.sampling` (sampling.sample_on_device's draw; the engine keeps the tokens of the rows that are
      `is_device_sampled`); with `batch.return_logits`, the logits [B, V] fp32 (after logit_scale, before any
-     penalty), from which the engine's Sampler samples the other rows (penalties, logprobs).
+     penalty), from which the engine's Sampler samples the other rows (penalties, logprobs). With
+     `batch.token_masks` (constrained rows, engine/grammar.py) the backend calls `batch.masks()` once, after it
+     has enqueued the model step and before it samples (the host computes the masks while the device runs
+     the step), and applies them (sampling.apply_token_masks) to every row it samples and to the logits it
+     returns.
   3. `launch_decode(batch, carry) -> PendingDecode` (the pipelined step, pipeline.py): enqueue one decode
      step and return without waiting. carry[b] >= 0: row b feeds the token that row carry[b] of the previous
      launch sampled, read from device memory (batch.token_ids[b] is then -1); -1: batch.token_ids[b].
-     batch.sample is true, return_logits false, every row device-sampled (`check_launch`).
+     batch.sample is true, return_logits false, every row device-sampled (`check_launch`). Masks as in 2;
+     the engine's `token_masks` may wait for the previous launch's tokens (a constrained row's mask needs them).
      `PendingDecode.result()` waits (releasing the GIL) and returns the DecodeResult. Kernels of later calls
      must run after it (one stream): the engine frees pages at once.
 Seeded sampling must be reproducible per request whatever the batch: draw number n of a request uses
@@ -45,7 +50,7 @@ from typing import Protocol
 import torch
 
 from northcode.config import ModelConfig
-from northcode.engine.sampling import BatchSamplingArgs
+from northcode.engine.sampling import BatchSamplingArgs, TokenMasks
 from northcode.engine.settings import EngineSettings
 
 MIN_CONTEXT_PAGES = 4  # smallest context bucket of a decode step (pages of full layers)
@@ -84,6 +89,11 @@ class DecodeBatch:
     block_tables: torch.Tensor  # host int32 [num_layers, max_batch, max_pages_per_seq]
     tables_version: int
     tables_columns: int | None = None  # columns ever mapped (the rest are all -1); None: all
+    token_masks: Callable[[], TokenMasks | None] | None = None  # the constrained rows' masks (None: no row is)
+
+    def masks(self) -> TokenMasks | None:
+        """The constrained rows' token masks (computed now, on the host), or None."""
+        return self.token_masks() if self.token_masks is not None else None
 
 
 @dataclass(slots=True)

@@ -16,7 +16,9 @@ built, when one is to blame) and the backend is rebuilt, or, when the device is 
 and reported. Pipelining (pipeline.py): while every request is device-sampled, the step launches decode n+1
 before it reads step n's tokens, so the GPU does not wait while this thread detokenises, checks stops and
 schedules; otherwise the backend samples on the device the rows that are device-sampled and the Sampler the
-rest (penalties, logprobs), so a seed's tokens do not depend on what else is in the batch.
+rest (penalties, logprobs), so a seed's tokens do not depend on what else is in the batch. A request with a
+grammar (SamplingParams.grammar, compiled by grammar.py off the event loop) has each token masked: the mask
+of a decode step is computed while the device runs its model step; a complete grammar ends it ("stop").
 """
 
 from __future__ import annotations
@@ -27,19 +29,19 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import torch
 
 from northcode.config import ModelConfig
 from northcode.engine.backend import BackendChoice, BackendFactory, DecodeBatch, ModelBackend, PrefillBatch, PrefillChunk
+from northcode.engine.grammar import CompiledGrammar, GrammarCompiler, RequestGrammar, constrained_masks
 from northcode.engine.kv_cache import KVCacheManager, context_limit, kv_page_budget
 from northcode.engine.pipeline import DecodePipeline, can_pipeline, read_tokens
 from northcode.engine.recovery import RESTART, StepGuard, attempt, fault_of, step_shapes
 from northcode.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
-from northcode.engine.sampling import BatchSamplingArgs, Sampler, SamplingRow, StopStringFilter
+from northcode.engine.sampling import BatchSamplingArgs, Sampler, StopStringFilter, TokenMasks, apply_token_masks
 from northcode.engine.scheduler import Scheduler, StepPlan
-from northcode.engine.sequence import RequestState, Sequence
+from northcode.engine.sequence import RequestState, Sequence, sampling_rows
 from northcode.engine.settings import EngineSettings, cpu_threads
 from northcode.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -53,14 +55,6 @@ Sampled = list[tuple[Sequence, int, TokenLogprob | None]]  # a step's tokens: (s
 def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
     """logits [B, V] -> [len(index), V]: the rows picked (the tensor itself when that is every row in order)."""
     return logits if index == list(range(logits.shape[0])) else logits[index]
-
-
-def _history(sequences: list[Sequence], eos_ids: tuple) -> list[SamplingRow]:
-    """What the Sampler needs of each sequence; below its min_tokens, its stop tokens are banned from the draw."""
-    return [SamplingRow(s.params, s.seed, s.prompt_ids, s.output_ids,
-                        tuple(sorted(s.params.stop_ids(eos_ids)))
-                        if len(s.output_ids) < min(s.params.min_tokens, s.max_new_tokens) else ())
-            for s in sequences]
 
 
 class Engine:
@@ -86,6 +80,7 @@ class Engine:
         self.backend: ModelBackend | None = self._build_backend()
         log.info("engine backend: %s (%s)", self.backend_choice.name, self.backend_choice.reason)
         self.sampler, self.pipeline = Sampler(), DecodePipeline()
+        self.grammars = GrammarCompiler.for_tokenizer(tokenizer, config.vocab_size) if tokenizer else None
         self.guard = StepGuard(settings, self._on_step_overdue, self._on_step_lost)
         self._seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self._arrivals = 0
@@ -125,7 +120,9 @@ class Engine:
         """Yield the request's outputs as they come; ValueError before the first for a bad request.
         Closing the iterator early (client gone) aborts the request."""
         params = params or SamplingParams()
-        request = self._make_request(request_id, list(prompt_token_ids), params, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        grammar = None if params.grammar is None else await loop.run_in_executor(None, self.compile_grammar, params)
+        request = self._make_request(request_id, list(prompt_token_ids), params, loop, grammar)
         finished = False
         try:
             while not finished:
@@ -136,8 +133,16 @@ class Engine:
             if not finished:
                 self.abort(request_id)
 
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar:
+        """The request's grammar built against the tokenizer, from the cache when it was before (any thread; it
+        may take a while the first time); ValueError (grammar.GrammarError) naming what cannot be compiled."""
+        params.validate()
+        if self.grammars is None:
+            raise ValueError("grammar: constrained decoding needs a tokenizer, and this engine has none")
+        return self.grammars.compile(params.grammar.grammar)
+
     def _make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      loop: asyncio.AbstractEventLoop) -> RequestState:
+                      loop: asyncio.AbstractEventLoop, grammar: CompiledGrammar | None = None) -> RequestState:
         params.validate()
         params = params.clamped_to(self.config.vocab_size)  # what the samplers and the kernel's row can hold
         if params.stop and self.tokenizer is None:
@@ -159,7 +164,8 @@ class Engine:
             self._arrivals += 1
             sequence = Sequence(request_id, prompt_ids, params, seed, max_new, self._arrivals)
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
-            request = RequestState(sequence, asyncio.Queue(), loop, detokenizer, StopStringFilter(params.stop))
+            request = RequestState(sequence, asyncio.Queue(), loop, detokenizer, StopStringFilter(params.stop),
+                                   grammar=RequestGrammar(grammar, params.grammar) if grammar is not None else None)
             self._ids.add(request_id)
             self._inbox.append(request)
             self._lock.notify()
@@ -255,7 +261,8 @@ class Engine:
     def _pipelined_model_step(self, plan: StepPlan):
         """Prefill chunks, launch decode n+1, read decode n: (the tokens to append, the new launch)."""
         sampled = self._prefill(plan)
-        read, launched = self.pipeline.launch_and_read(plan, self.backend, self.kv)
+        masks_of = self._constrained if self._any_grammar(plan.decodes) else None
+        read, launched = self.pipeline.launch_and_read(plan, self.backend, self.kv, masks_of)
         return sampled + [(seq, token, None) for seq, token in read], launched
 
     def _drain(self) -> None:
@@ -279,7 +286,8 @@ class Engine:
         if not keep:
             return []
         sequences = [plan.prefills[i].sequence for i in keep]
-        result = self.sampler.sample(logits[keep], _history(sequences, self.config.eos_token_ids))
+        logits = apply_token_masks(logits[keep], self._constrained(sequences) if self._any_grammar(sequences) else None)
+        result = self.sampler.sample(logits, sampling_rows(sequences, self.config.eos_token_ids))
         return list(zip(sequences, result.token_ids, result.logprobs))
 
     def _decode(self, plan: StepPlan) -> Sampled:
@@ -297,32 +305,49 @@ class Engine:
                             [s.num_computed for s in sequences], sampling, sample=len(host) < len(sequences),
                             return_logits=bool(host), block_tables=kv.block_tables, tables_version=kv.version,
                             tables_columns=kv.high_water)
+        if self._any_grammar(sequences):  # computed by the backend while the model step runs
+            batch.token_masks = lambda: self._constrained(sequences)
         result = self.backend.decode(batch)
         assert not batch.sample or result.token_ids is not None, f"{self.backend.name} backend returned no tokens"
         tokens = list(result.token_ids) if batch.sample else [-1] * len(sequences)
         logprobs: list[TokenLogprob | None] = [None] * len(sequences)
         if host:
             sample = self.sampler.sample(_rows_of(result.logits, host),
-                                         _history([sequences[b] for b in host], self.config.eos_token_ids))
+                                         sampling_rows([sequences[b] for b in host], self.config.eos_token_ids))
             for b, token, logprob in zip(host, sample.token_ids, sample.logprobs):
                 tokens[b], logprobs[b] = token, logprob
         return list(zip(sequences, tokens, logprobs))
+
+    def _any_grammar(self, sequences: list[Sequence]) -> bool:
+        return any(self._requests[s.request_id].grammar is not None for s in sequences)
+
+    def _constrained(self, sequences: list[Sequence],
+                     read: Callable[[], dict[int, int]] | None = None) -> TokenMasks | None:
+        """The token masks of the constrained rows among `sequences`. read (the pipelined step): reads the launch
+        in flight, {id(sequence): its token}; called only when an active grammar needs its row's token."""
+        grammars = [self._requests[s.request_id].grammar for s in sequences]
+        waits = any(g is not None and g.is_active and s.in_flight for g, s in zip(grammars, sequences))
+        latest = read() if read is not None and waits else {}
+        return constrained_masks(self.grammars, grammars,
+                                 [(s.output_ids, latest.get(id(s)), s.in_flight > 0) for s in sequences])
 
     def _append(self, request: RequestState, token: int, logprob: TokenLogprob | None, now: float) -> None:
         """Record one sampled token; emit its text (held back where a stop string may begin); finish."""
         seq, params = request.sequence, request.sequence.params
         text, matched = request.take_token(token, now)
-        reason, stop_reason = None, None
+        reason, stop_reason, error = None, None, None
         if token in params.stop_ids(self.config.eos_token_ids):
             reason, stop_reason = "stop", token
         if matched is not None:
             reason, stop_reason = "stop", matched
-        elif reason is None and len(seq.output_ids) >= seq.max_new_tokens:
+        elif reason is None and request.grammar is not None:  # complete ("stop"), or failed ("error")
+            reason, error = request.grammar.end(seq.output_ids)
+        if reason is None and len(seq.output_ids) >= seq.max_new_tokens:
             reason = "length"
         if reason is None:
             request.emit(RequestOutput(seq.request_id, [token], text, [logprob] if logprob else None))
         else:
-            self._finish(request, reason, stop_reason, [token], text, [logprob] if logprob else None)
+            self._finish(request, reason, stop_reason, [token], text, [logprob] if logprob else None, error)
 
     def _finish(self, request: RequestState, reason: FinishReason, stop_reason: str | int | None,
                 token_ids: list[int] | None = None, text: str = "", logprobs: list[TokenLogprob] | None = None,

@@ -25,6 +25,9 @@ from northcode.engine.request import GrammarSpec
 from northcode.engine.sampling import ALWAYS, TokenMasks
 
 CACHE_SIZE = 64  # compiled grammars kept (least recently used goes first)
+# llguidance's JSON options (a schema's "x-guidance") for JSON as json.dumps writes it: ", " and ": ", no other
+# whitespace (a grammar that allows any whitespace lets a model run on in it)
+DUMPS_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):

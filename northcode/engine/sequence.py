@@ -3,7 +3,8 @@
 A Sequence is what the scheduler and the KV cache see: prompt and output ids, its block-table row while it
 runs, how many of its tokens have KV, and a token in flight on the device when the engine pipelines
 (pipeline.py). A RequestState is what the step thread keeps besides: where the outputs go (an asyncio queue
-read on its event loop), its detokenizer and stop strings, and its timings. Pure Python: no tensors here.
+read on its event loop), its detokenizer, stop strings and grammar, and its timings. `sampling_rows` is what the
+Sampler reads of a batch's sequences. Pure Python: no tensors here.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from northcode.engine.request import FinishReason, RequestOutput, SamplingParams, Timings, TokenLogprob, Usage
-from northcode.engine.sampling import StopStringFilter
+from northcode.engine.sampling import SamplingRow, StopStringFilter
 
 if TYPE_CHECKING:
+    from northcode.engine.grammar import RequestGrammar
     from northcode.model.tokenizer import IncrementalDetokenizer
 
 
@@ -81,6 +83,7 @@ class RequestState:
     latencies: list[float] = field(default_factory=list)
     time_to_first_token: float | None = None
     ended: bool = False  # its final output was sent by the watchdog or a fatal error (the step thread drops it)
+    grammar: RequestGrammar | None = None  # a constrained request's matcher (engine/grammar.py)
 
     def emit(self, output: RequestOutput) -> None:
         """Hand an output to the request's event loop (called from the step thread)."""
@@ -114,3 +117,12 @@ class RequestState:
         usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
         return RequestOutput(seq.request_id, token_ids or [], text, logprobs, finished=True, finish_reason=reason,
                              stop_reason=stop_reason, error=error, usage=usage, timings=timings)
+
+
+def sampling_rows(sequences: list[Sequence], eos_ids: tuple) -> list[SamplingRow]:
+    """What the Sampler needs of each sequence; below its min_tokens, its stop tokens are banned from the draw
+    (not a constrained request's: its grammar says when it may end)."""
+    return [SamplingRow(s.params, s.seed, s.prompt_ids, s.output_ids,
+                        tuple(sorted(s.params.stop_ids(eos_ids))) if s.params.grammar is None
+                        and len(s.output_ids) < min(s.params.min_tokens, s.max_new_tokens) else ())
+            for s in sequences]

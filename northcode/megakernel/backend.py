@@ -10,6 +10,10 @@ kernel's sticky status words. `launch_decode` feeds carried rows from the previo
 on the device), or leaves them in the io buffer when rows 0..B-1 of a one-launch step go on in place; the
 tensor goes to pinned memory without a wait, and `result()` waits on an event, then raises on a failed status.
 `decode` is the same launches fed from the host (plus logits for the engine's Sampler), then the same wait.
+Constrained rows: the kernel samples inside its step, so a step's token masks are asked for before its
+launches (a row whose grammar is active then waits for the previous step's tokens: no overlap there) and
+go up as device words each row's RowState points to; the kernel masks that row's logits (armed masks
+included: it compares the token the row fed with the trigger), so the logits returned are masked too.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from northcode.config import ModelConfig
 from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch, check_launch
 from northcode.engine.device import PendingTokens, carried_tokens, to_device
+from northcode.engine.sampling import ALWAYS
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status
 from northcode.megakernel.support import gpu_blocker, model_blocker
 from northcode.megakernel.tasks import split_contexts
@@ -42,15 +47,16 @@ def unavailable_reason(config: ModelConfig, page_size: int, needs_hopper: bool =
     return reason
 
 
-def row_spec(batch: DecodeBatch, b: int) -> RowSpec:
-    """The kernel's row state of batch row b: its position and block-table row, and how to sample it."""
+def row_spec(batch: DecodeBatch, b: int, mask: torch.Tensor | None = None, trigger: int = ALWAYS) -> RowSpec:
+    """The kernel's row state of batch row b: its position and block-table row, how to sample it, and its token
+    mask (device int32 words; trigger: sampling.TokenMasks.triggers)."""
     if not batch.sample:
-        return RowSpec(position=batch.positions[b], seq=batch.rows[b])
+        return RowSpec(position=batch.positions[b], seq=batch.rows[b], mask=mask, trigger=trigger)
     args = batch.sampling
     params = args.params[b]
     return RowSpec(position=batch.positions[b], seq=batch.rows[b], step=args.draws[b], seed=args.seeds[b],
                    temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
-                   top_p=params.top_p, min_p=params.min_p)
+                   top_p=params.top_p, min_p=params.min_p, mask=mask, trigger=trigger)
 
 
 @dataclass(slots=True)
@@ -153,13 +159,18 @@ class MegakernelBackend:
         step of both decode and launch_decode: where tests inject hangs and failures."""
         num_rows, kernel = len(batch.rows), self.kernel
         assert num_rows > 0 and (inputs is not None or num_rows <= MAX_BATCH), "nothing to feed the launch"
+        masks = batch.masks()  # before the launch: the kernel samples inside its step
+        words = to_device(masks.bits, self.device) if masks is not None else None  # [N, ceil(V / 32)]
+        slots = {b: k for k, b in enumerate(masks.rows)} if masks is not None else {}
+        specs = [row_spec(batch, b, words[slots[b]], masks.triggers[slots[b]]) if b in slots else row_spec(batch, b)
+                 for b in range(num_rows)]
         self.tables.upload(batch.block_tables, batch.tables_version, batch.tables_columns)
         status = kernel.io[MAX_BATCH:]
         out = torch.empty(num_rows + status.numel(), dtype=torch.int32, device=self.device)
         logits = []
         for start in range(0, num_rows, MAX_BATCH):
             end = min(num_rows, start + MAX_BATCH)
-            kernel.step([row_spec(batch, b) for b in range(start, end)], None if inputs is None else inputs[start:end])
+            kernel.step(specs[start:end], None if inputs is None else inputs[start:end])
             out[start:end].copy_(kernel.tokens[:end - start])  # the next launch overwrites the io buffer
             if want_logits:
                 logits.append(kernel.logits[:end - start].clone())

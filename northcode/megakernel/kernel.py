@@ -33,7 +33,7 @@ __all__ = ["Megakernel", "RowSpec", "Schedule", "TaskType", "attention_splits", 
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
            "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS"]
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "megakernel.cu"
 NVCC_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
@@ -131,7 +131,7 @@ class Params(ctypes.Structure):
                 ("trace_router", _U64)]
 
 
-ROW_FORMAT = "<iiiiQffff"  # RowState: position, seq, step, top_k, seed, temperature, top_p, min_p, pad
+ROW_FORMAT = "<iiiiQfffiQ"  # RowState: position, seq, step, top_k, seed, temperature, top_p, min_p, trigger, mask
 
 
 def load_library(path: Path, config: ModelConfig) -> ctypes.CDLL:
@@ -169,6 +169,8 @@ class RowSpec:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    mask: torch.Tensor | None = None  # device int32 [ceil(V / 32)]: the tokens it may sample (sampling.TokenMasks)
+    trigger: int = -1  # the mask applies only when the row feeds this token; -1: always
 
     def pack(self, vocab_size: int) -> bytes:
         """The row's RowState (ROW_FORMAT), taking every value a validated request carries (issue 24): a top_k
@@ -184,7 +186,8 @@ class RowSpec:
         top_k = self.top_k if 0 < self.top_k < vocab_size else 0
         temperature = 0.0 if is_greedy_temperature(self.temperature) else self.temperature
         return struct.pack(ROW_FORMAT, self.position, self.seq, self.step, top_k, self.seed & (2**64 - 1),
-                           temperature, self.top_p, self.min_p, 0.0)
+                           temperature, self.top_p, self.min_p, self.trigger,
+                           0 if self.mask is None else self.mask.data_ptr())
 
 
 class Megakernel:
@@ -223,6 +226,7 @@ class Megakernel:
         self._rows_host = [torch.zeros(row_bytes, dtype=torch.uint8).pin_memory() for _ in range(row_buffers)]
         self._rows_copied = [torch.cuda.Event() for _ in range(row_buffers)]  # rewritten only after its copy
         self._rows_turn = 0
+        self._masks: list[torch.Tensor | None] = []  # the last launch's rows' masks (RowSpec.mask), kept alive
 
     def _check_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         checked = {}
@@ -307,9 +311,16 @@ class Megakernel:
         return self._schedules[key]
 
     def set_rows(self, rows: list[RowSpec]) -> None:
-        """Upload the rows' states (stream-ordered copy from pinned memory: the host never waits)."""
+        """Upload the rows' states (stream-ordered copy from pinned memory: the host never waits). A row's mask is
+        read by the next launch: it is kept alive until the one after."""
         if not 1 <= len(rows) <= MAX_BATCH:
             raise ValueError(f"megakernel: batch of {len(rows)} rows, must be 1..{MAX_BATCH}")
+        for r in rows:
+            if r.mask is not None and (r.mask.device != self.device or r.mask.dtype != torch.int32
+                                       or r.mask.numel() != -(-self.config.vocab_size // 32) or r.mask.data_ptr() % 4):
+                raise ValueError(f"megakernel: a row's mask must be int32 [{-(-self.config.vocab_size // 32)}] on "
+                                 f"{self.device}, got {r.mask.dtype} {list(r.mask.shape)} on {r.mask.device}")
+        self._masks = [r.mask for r in rows]
         packed = b"".join(r.pack(self.config.vocab_size) for r in rows)
         turn = self._rows_turn = (self._rows_turn + 1) % len(self._rows_host)
         self._rows_copied[turn].synchronize()

@@ -30,8 +30,9 @@ which a capture holds off; the other helpers (prefill, decode step, compiled ste
 proxy, so a backend without graphs (the CPU's, the megakernel's prefiller) is freed, pools with it, as soon as
 nothing refers to it. A capture that fails anyway is undone, logged and kept in
 `capture_failures`; that (batch, context) bucket then runs eagerly.
-decode and launch_decode sample every row with the device draw (engine/sampling.sample_on_device); the
-engine's Sampler samples the rows with penalties or logprobs from the logits decode returns.
+decode and launch_decode sample every row with the device draw (engine/sampling.sample_on_device), the
+constrained rows' token masks applied first (asked for once the model step is enqueued); the engine's Sampler
+samples the rows with penalties or logprobs from the logits decode returns.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from northcode.engine.backend import (DecodeBatch, DecodeResult, PrefillBatch, c
                                       next_power_of_two)
 from northcode.engine.device import DeviceBlockTables, PendingTokens, carried_tokens, to_device
 from northcode.engine.kv_cache import page_bytes
-from northcode.engine.sampling import sample_on_device
+from northcode.engine.sampling import apply_token_masks, sample_on_device
 from northcode.model.model import check_weights, layer_weights, rope_inv_freq
 from northcode.torch_backend.compiled_step import CompiledDecode, compile_requested
 from northcode.torch_backend.decode_step import DecodeStep, slot_major_qkv
@@ -149,7 +150,7 @@ class TorchBackend:
     def decode(self, batch: DecodeBatch) -> DecodeResult:
         self.last_launch_tokens = None  # a later launch can carry nothing across this step
         inputs = to_device(torch.tensor(batch.token_ids, dtype=torch.long), self.device)  # [B]
-        logits = self.decode_logits(batch, inputs)
+        logits = apply_token_masks(self.decode_logits(batch, inputs), batch.masks(), inputs)  # masks: while it runs
         token_ids = sample_on_device(logits, batch.sampling).tolist() if batch.sample else None
         return DecodeResult(token_ids, logits if batch.return_logits else None)
 
@@ -160,7 +161,8 @@ class TorchBackend:
         previous = self.last_launch_tokens
         check_launch(batch, carry, None if previous is None else previous.shape[0])
         token_ids = carried_tokens(batch.token_ids, carry, previous, self.device)  # device long [B]
-        tokens = sample_on_device(self.decode_logits(batch, token_ids), batch.sampling)
+        logits = apply_token_masks(self.decode_logits(batch, token_ids), batch.masks(), token_ids)  # while it runs
+        tokens = sample_on_device(logits, batch.sampling)
         self.last_launch_tokens = tokens
         return LaunchedDecode(tokens)
 

@@ -1,0 +1,134 @@
+"""The megakernel's token masks (RowState.mask and trigger, ABI 7) against the torch path (sampling.apply_token_masks).
+
+On the kernel alone (LM_HEAD + SAMPLE over random hidden states, as test_megakernel_sampling.py): rows
+unconstrained, masked, armed with the trigger they fed and armed with another; the kernel's logits are the
+torch path's masked logits exactly (the same products: only the forbidden ones are -inf), greedy rows take
+their argmax, and sampled rows, plain and filtered, never draw a forbidden token and fit the masked
+distribution (chi-square). Then the Engine over the megakernel: constrained requests beside free ones, greedy
+and sampled, one grammar dormant until a token it writes, give JSON of the schema, the same tokens alone as in
+the batch. Needs llguidance (the engine's grammars).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+DRAWS = 800  # launches per setting, 8 rows each
+
+
+@pytest.fixture(autouse=True)
+def hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the megakernel runs on sm_90 only")
+
+
+def random_masks(vocab: int, rows: int, keep: float, seed: int) -> torch.Tensor:
+    """int32 [rows, ceil(V / 32)] on the GPU: each token allowed with probability `keep`, token 0 always."""
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(rows, -(-vocab // 32) * 32, generator=gen) < keep
+    allowed[:, 0] = True
+    weights = (1 << torch.arange(32, dtype=torch.int64))
+    words = (allowed.view(rows, -1, 32).long() * weights).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).cuda()
+
+
+def launch(kernel, config, specs, fed: torch.Tensor) -> list[int]:
+    """LM_HEAD over every tile, then SAMPLE per row, with row b feeding fed[b] (what a trigger compares with)."""
+    from northcode.megakernel.kernel import TaskType, flatten, make_task, place_waves
+
+    tiles = -(-config.vocab_size // 32)
+    lm = [make_task(TaskType.LM_HEAD, 0, (t, 1, t), (), 0) for t in range(tiles)]
+    sample = [make_task(TaskType.SAMPLE, 0, (b, tiles), ((0, tiles),)) for b in range(len(specs))]
+    kernel.set_rows(specs)
+    kernel.tokens[:len(specs)].copy_(fed.to(torch.int32))
+    kernel.launch(flatten(place_waves([lm, sample], kernel.num_blocks), 1, tiles), len(specs))
+    kernel.check()
+    return kernel.tokens[:len(specs)].tolist()
+
+
+def test_masked_logits_and_greedy_tokens_equal_the_torch_path():
+    from northcode.engine.sampling import ALWAYS, TokenMasks, apply_token_masks
+    from northcode.megakernel.kernel import RowSpec
+    from test_megakernel_tasks import env, randn_bf16  # tests/gpu is on sys.path (rootdir-less test modules)
+
+    config, _, _, _, kernel = env()
+    vocab = config.vocab_size
+    kernel.h.copy_(randn_bf16(8, config.hidden_size))
+    fed = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+    launch(kernel, config, [RowSpec(position=0, seq=0) for _ in range(8)], fed)
+    raw = kernel.logits.clone()  # [8, V] unmasked
+    words = random_masks(vocab, 8, 0.3, seed=1)
+    words[3] = random_masks(vocab, 1, 0.001, seed=2)[0]  # a handful of tokens
+    triggers = [ALWAYS, ALWAYS, ALWAYS, ALWAYS, 9, 0, ALWAYS, ALWAYS]  # row 4 fed its trigger, row 5 did not
+    masked_rows = (0, 2, 3, 4, 5, 7)  # rows 1 and 6 unconstrained
+    specs = [RowSpec(position=0, seq=0, mask=words[b] if b in masked_rows else None, trigger=triggers[b])
+             for b in range(8)]
+    tokens = launch(kernel, config, specs, fed)
+    masks = TokenMasks(masked_rows, words[list(masked_rows)].cpu(), tuple(triggers[b] for b in masked_rows))
+    expected = apply_token_masks(raw, masks, fed.cuda())
+    assert torch.equal(kernel.logits, expected)
+    assert torch.equal(kernel.logits[[1, 5, 6]], raw[[1, 5, 6]])  # free, and armed with a token it did not feed
+    assert tokens == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=40)],
+                         ids=["plain", "filtered"])
+def test_masked_draws_fit_the_masked_distribution(settings):
+    from northcode.engine.sampling import filter_probs
+    from northcode.megakernel.kernel import RowSpec
+    from test_megakernel_sampling import chi_square_p_value, P_MIN
+    from test_megakernel_tasks import env, randn_bf16
+
+    config, _, _, _, kernel = env()
+    kernel.h.copy_(randn_bf16(1, config.hidden_size).expand(8, -1).contiguous())  # same logits on every row
+    mask = random_masks(config.vocab_size, 1, 0.05, seed=4)[0]
+    counts = torch.zeros(config.vocab_size, dtype=torch.float64)
+    fed = torch.zeros(8, dtype=torch.long)
+    for n in range(DRAWS):
+        specs = [RowSpec(position=0, seq=0, step=n % 7, seed=5000 + 8 * n + b, mask=mask, **settings) for b in range(8)]
+        for token in launch(kernel, config, specs, fed):
+            counts[token] += 1
+    logits = kernel.logits[0].double().cpu()
+    allowed = torch.isfinite(logits)
+    assert 0 < allowed.sum() < config.vocab_size
+    probs = torch.softmax(logits / settings["temperature"], dim=-1)[None]
+    probs = filter_probs(probs, torch.tensor([settings.get("top_k", 0)]),
+                         torch.tensor([settings.get("top_p", 1.0)], dtype=torch.float64),
+                         torch.tensor([settings.get("min_p", 0.0)], dtype=torch.float64))[0]
+    assert counts[~allowed].sum() == 0, f"{int(counts[~allowed].sum())} draws of forbidden tokens"
+    assert chi_square_p_value(counts, probs) > P_MIN
+
+
+def test_the_engine_over_the_megakernel_writes_the_schema(tiny_checkpoint):
+    from northcode.engine.grammar import DUMPS_STYLE, json_text
+    from northcode.engine.request import GrammarSpec, SamplingParams
+    from tests.gpu.test_megakernel_backend_gpu import megakernel_engine
+    from tests.test_engine import prompt_of, run, tokens_of
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+              "required": ["ok", "n", "tags"], "additionalProperties": False}
+    body = f"%json {json_text({**schema, 'x-guidance': DUMPS_STYLE})}"
+    engine = megakernel_engine(tiny_checkpoint)
+    try:
+        free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        trigger = tokens_of(run(engine, [(prompt_of(21), free)])[0])[2]
+        requests = [(prompt_of(5 + i), SamplingParams(max_tokens=60, temperature=0.0 if i % 2 else 1.0, seed=i,
+                                                      grammar=GrammarSpec(f"start: {body}"))) for i in range(5)]
+        requests += [(prompt_of(21), SamplingParams(max_tokens=60, temperature=0.0,
+                                                    grammar=GrammarSpec(f"start: <[{trigger}]> {body}", trigger))),
+                     (prompt_of(30), free), (prompt_of(31), free)]
+        together = run(engine, requests)
+        assert [tokens_of(o) for o in together] == [tokens_of(run(engine, [r])[0]) for r in requests]
+        for i, outputs in enumerate(together[:6]):
+            ids = tokens_of(outputs)
+            ids = ids[ids.index(trigger) + 1:] if i == 5 else ids
+            value = json.loads(engine.tokenizer.decode(ids))
+            assert outputs[-1].finish_reason == "stop" and set(value) == {"ok", "n", "tags"}
+            assert isinstance(value["ok"], bool) and value["n"] in (1, 2, 3) and set(value["tags"]) <= {"a", "b"}
+    finally:
+        engine.shutdown()
