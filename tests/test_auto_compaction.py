@@ -7,14 +7,14 @@ import json
 
 import pytest
 from agent_scripted_endpoint import ScriptedEndpoint, text_reply, tool_reply
-from test_tui import notices, send, until
+from test_tui import notices, send, store, until  # noqa: F401 (store: a fixture)
 
 from northcode.agent.approvals import Approvals, Mode
 from northcode.agent.client import ChatClient
 from northcode.agent.compaction import COMPACT_REQUEST
 from northcode.agent.loop import CONTINUE_AFTER_COMPACTION, Agent, CompactEvent
 from northcode.agent.sandbox import Workspace
-from northcode.agent.sessions import SessionRecorder, SessionStore
+from northcode.agent.sessions import SessionRecorder
 from northcode.agent.tools import ToolBox
 from northcode.cli import main
 from northcode.tui.app import NorthcodeApp
@@ -29,13 +29,6 @@ def workspace(tmp_path):
     root.mkdir()
     (root / "hello.txt").write_text("hello world\n")
     return root
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = SessionStore(tmp_path / "sessions.sqlite3")
-    yield store
-    store.close()
 
 
 def make_agent(endpoint, workspace, store, events, context_window=None) -> tuple[Agent, SessionRecorder]:

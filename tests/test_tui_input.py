@@ -3,27 +3,11 @@ slash commands, the @ file picker, per-hunk review; Pilot against the scripted e
 
 from __future__ import annotations
 
-import pytest
 from agent_scripted_endpoint import ScriptedEndpoint, text_reply
-from test_tui import notices, send, until
+from test_tui import notices, send, store, until, workspace  # noqa: F401 (store, workspace: fixtures)
 
-from northcode.agent.sessions import SessionStore
 from northcode.tui.app import NorthcodeApp
 from northcode.tui.widgets import PromptInput
-
-
-@pytest.fixture
-def workspace(tmp_path):
-    root = tmp_path / "project"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = SessionStore(tmp_path / "sessions.sqlite3")
-    yield store
-    store.close()
 
 
 async def test_the_prompt_history_is_kept_across_runs(workspace, store):
@@ -82,7 +66,7 @@ async def test_a_custom_command_sends_its_prompt_and_is_listed(workspace, store)
 async def test_the_at_picker_fuzzy_matches_the_workspaces_files_and_leaves_out_the_ignored(workspace, store):
     import subprocess
 
-    from northcode.tui.widgets import FilePicker
+    from northcode.tui.file_picker import FilePicker
 
     for rel in ("northcode/tui/app.py", "northcode/server/app.py", "docs/tui.md", "build/tui/app.py"):
         (workspace / rel).parent.mkdir(parents=True, exist_ok=True)

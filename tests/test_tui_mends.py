@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-from textual.widgets import Markdown
 from agent_scripted_endpoint import ScriptedEndpoint, text_reply
-from test_tui import notices, send, until
+from test_tui import notices, send, store, until, workspace  # noqa: F401 (store, workspace: fixtures)
+from textual.widgets import Markdown
 
-from northcode.agent.sessions import SessionStore
 from northcode.tui.app import NorthcodeApp
 from northcode.tui.screens import HelpScreen
 from northcode.tui.widgets import AssistantMessage, PromptInput, StatusLine
-
-
-@pytest.fixture
-def workspace(tmp_path):
-    root = tmp_path / "project"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = SessionStore(tmp_path / "sessions.sqlite3")
-    yield store
-    store.close()
 
 
 def toasts(app) -> list[str]:

@@ -38,9 +38,8 @@ from northcode.agent.sessions import SessionRecorder, SessionStore
 from northcode.agent.tools import PreparedCall, ToolBox
 from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
 from northcode.tui.slash import SlashCommands
-from northcode.agent.file_search import workspace_files
-from northcode.tui.widgets import (AssistantMessage, FilePicker, Notice, PromptInput, StatusLine, ToolCallView,
-                                   UserMessage)
+from northcode.tui.file_picker import FilePicker
+from northcode.tui.widgets import AssistantMessage, Notice, PromptInput, StatusLine, ToolCallView, UserMessage
 
 log = logging.getLogger(__name__)
 RANDOM_WEIGHTS_NOTICE = ("This model's weights are random (a demo or synthetic checkpoint): its answers are noise, "
@@ -82,8 +81,6 @@ class NorthcodeApp(App):
         self.tool_running = False  # between a tool call's start and its result: no request is open
         self.quit_armed_at: float | None = None  # when an idle Ctrl+C said that another one quits
         self.compacting_session: str | None = None  # the session a compaction leaves behind
-        self.files: list[str] = []  # the workspace's files for the @ picker (read again each time it opens)
-        self.picker_closed = False  # Esc closed the picker: it stays closed until the @ being typed ends
         self.tool_views: dict[str, ToolCallView] = {}
         self.pending_calls: dict[int, tuple[ToolCallView, str, int]] = {}  # call index -> (view, name, characters)
         self.stream_rate = StreamRate()
@@ -92,7 +89,7 @@ class NorthcodeApp(App):
 
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="chat")
-        yield FilePicker(id="picker")
+        yield FilePicker(self.workspace, id="picker")
         yield PromptInput(id="prompt")
         yield StatusLine(id="status")
         yield Footer()
@@ -115,8 +112,6 @@ class NorthcodeApp(App):
         prompt = self.query_one(PromptInput)
         prompt.load_history(self.store.prompts(self.workspace.root))  # Up finds the last run's prompts
         prompt.focus()
-        picker = self.query_one(FilePicker)
-        picker.display, picker.can_focus = False, False  # the prompt keeps the keys; it passes the picker's on
         self.connect()
 
     async def on_unmount(self) -> None:
@@ -225,45 +220,13 @@ class NorthcodeApp(App):
     # --- the @ file picker ---
 
     def on_text_area_changed(self, event) -> None:
-        self.update_picker()
+        event.text_area.screen.query_one(FilePicker).follow()
 
     def on_text_area_selection_changed(self, event) -> None:
-        self.update_picker()
-
-    def update_picker(self) -> None:
-        """Show the files that match the @ being typed at the cursor, or hide the picker."""
-        prompt, picker = self.query_one(PromptInput), self.query_one(FilePicker)
-        query = prompt.mention_query()
-        if query is None or self.picker_closed:
-            self.picker_closed = self.picker_closed and query is not None
-            picker.display = prompt.picker_open = False
-            return
-        if not prompt.picker_open:
-            self.load_files()  # afresh each time it opens: files come and go
-        picker.show_matches(query, self.files)
-        prompt.picker_open = picker.display
-
-    @work(thread=True, exclusive=True, group="files", exit_on_error=False)
-    def load_files(self) -> None:
-        files = workspace_files(self.workspace)
-        self.call_from_thread(self._files_loaded, files)
-
-    def _files_loaded(self, files: list[str]) -> None:
-        self.files = files
-        if self.query_one(PromptInput).mention_query() is not None:
-            self.update_picker()
+        event.text_area.screen.query_one(FilePicker).follow()
 
     def on_prompt_input_picker_key(self, event: PromptInput.PickerKey) -> None:
-        prompt, picker = self.query_one(PromptInput), self.query_one(FilePicker)
-        if event.key == "up":
-            picker.action_cursor_up()
-        elif event.key == "down":
-            picker.action_cursor_down()
-        elif event.key == "escape":
-            self.picker_closed = True
-            picker.display = prompt.picker_open = False
-        elif picker.chosen is not None:  # tab, enter
-            prompt.complete_mention(picker.chosen)
+        event.control.screen.query_one(FilePicker).press(event.key)
 
     # --- a turn ---
 

@@ -13,10 +13,8 @@ import re
 from rich.syntax import Syntax
 from textual import events
 from textual.containers import Vertical
-from textual.fuzzy import Matcher
 from textual.message import Message
-from textual.widgets import Collapsible, Markdown, OptionList, Static, TextArea
-from textual.widgets.option_list import Option
+from textual.widgets import Collapsible, Markdown, Static, TextArea
 
 from northcode.agent.session_stats import SessionStats
 
@@ -37,9 +35,13 @@ class PromptInput(TextArea):
     class PickerKey(Message):
         """A key meant for the @ picker."""
 
-        def __init__(self, key: str) -> None:
-            self.key = key
+        def __init__(self, prompt: PromptInput, key: str) -> None:
+            self.prompt, self.key = prompt, key
             super().__init__()
+
+        @property
+        def control(self) -> PromptInput:
+            return self.prompt
 
     def __init__(self, **kwargs) -> None:
         super().__init__(soft_wrap=True, compact=True, tab_behavior="indent",
@@ -65,7 +67,7 @@ class PromptInput(TextArea):
         if self.picker_open and event.key in PICKER_KEYS:
             event.stop()
             event.prevent_default()
-            self.post_message(self.PickerKey(event.key))
+            self.post_message(self.PickerKey(self, event.key))
             return
         if event.key == "enter":
             event.stop()
@@ -115,34 +117,6 @@ class PromptInput(TextArea):
         self.history_idx = idx
         self.text = self.prompt_history[idx] if idx < len(self.prompt_history) else self.draft
         self.move_cursor(self.document.end)
-
-
-class FilePicker(OptionList):
-    """The @ picker: the workspace's files that fuzzy-match what follows the @ (Textual's matcher), best first."""
-
-    MAX_SHOWN = 8
-    MAX_SCORED = 2000  # candidates scored per key press, after a cheap in-order check
-
-    def show_matches(self, query: str, files: list[str]) -> None:
-        """Fill the list for `query`; hidden when nothing matches."""
-        in_order = re.compile(".*?".join(map(re.escape, query)), re.I)
-        candidates = [f for f in files if in_order.search(f)][: self.MAX_SCORED]
-        if query:
-            matcher = Matcher(query)
-            scored = sorted(((matcher.match(f), f) for f in candidates), key=lambda pair: (-pair[0], len(pair[1])))
-            options = [Option(matcher.highlight(f), id=f) for score, f in scored[: self.MAX_SHOWN] if score > 0]
-        else:
-            options = [Option(f, id=f) for f in candidates[: self.MAX_SHOWN]]
-        self.clear_options()
-        self.add_options(options)
-        self.display = bool(options)
-        if options:
-            self.highlighted = 0
-
-    @property
-    def chosen(self) -> str | None:
-        """The highlighted file."""
-        return self.get_option_at_index(self.highlighted).id if self.highlighted is not None else None
 
 
 class StatusLine(Static):
