@@ -313,14 +313,3 @@ def test_text_guard_drops_markers_and_cuts_stop():
     assert "".join(pieces) == "Hi  there" and guard.stopped
     guard = TextGuard(stop=["xyz"], drop=[])
     assert guard.push("abcx") == "abc" and guard.flush() == "x"
-
-
-def test_forced_call_prefix_is_completed_by_the_model(tok, markers):
-    prefix = '[\n    {"tool_call_id": "0", "tool_name": "read", "parameters": '
-    ids = seq(tok, '{"path": "a.md"}}\n]', "END_ACTION", "END_OF_TURN_TOKEN")
-    parser = make_parser(tok, markers, start_in_reasoning=False, action_prefix=prefix)
-    assert parser.feed(ids[:1]) == [head(0, "read"), fragment(0, tok.decode(ids[:1]))]  # announced with the first token
-    parser.feed(ids[1:])
-    parser.finish()
-    assert parser.tool_calls == [{"id": "call_0", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.md"}'}}]
-    assert parser.content == ""

@@ -429,23 +429,26 @@ def test_logprobs_leave_out_marker_tokens(tiny_checkpoint, tok):
     assert all(e["logprob"] == -0.5 and len(e["top_logprobs"]) == 1 for e in content)
 
 
-def test_named_tool_choice_prefills_the_call(tiny_checkpoint, tok):
-    client, engine, _ = make_client(tiny_checkpoint, encode_script(tok, '{"path": "a"}}\n]', "END_ACTION", "END_OF_TURN_TOKEN"))
+def test_named_tool_choice_is_a_grammar_after_the_thinking_block(tiny_checkpoint, tok):
+    client, engine, _ = make_client(tiny_checkpoint, encode_script(tok, *TOOL_SCRIPT))
     body = client.post("/v1/chat/completions", json=chat_body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "read"}})).json()
-    prompt = tok.decode(engine.seen[-1][0], skip_special_tokens=False)
-    assert prompt.endswith('<|START_THINKING|><|END_THINKING|><|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "read", "parameters": ')
+    prompt_ids, sampling = engine.seen[-1]
+    assert tok.decode(prompt_ids, skip_special_tokens=False).endswith("<|CHATBOT_TOKEN|><|START_THINKING|>")  # thinks first
+    assert sampling.grammar.trigger_id == tok.token_to_id("<|END_THINKING|>") and '\\"read\\"' in sampling.grammar.grammar
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    assert choice["message"]["tool_calls"][0]["function"] == {"name": "read", "arguments": '{"path": "a"}'}
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "read", "arguments": '{"path": "README.md"}'}
 
 
-def test_tool_choice_none_hides_tools_and_required_opens_an_action(tiny_checkpoint, tok):
+def test_tool_choice_none_hides_tools_and_required_holds_the_turn_to_an_action(tiny_checkpoint, tok):
     client, engine, _ = make_client(tiny_checkpoint, encode_script(tok, "START_TEXT", "ok", "END_OF_TURN_TOKEN"))
     client.post("/v1/chat/completions", json=chat_body(tools=TOOLS, tool_choice="none"))
     assert '"name": "read"' not in tok.decode(engine.seen[-1][0], skip_special_tokens=False)
-    client.post("/v1/chat/completions", json=chat_body(tools=TOOLS, tool_choice="required"))
-    prompt = tok.decode(engine.seen[-1][0], skip_special_tokens=False)
-    assert '"name": "read"' in prompt and prompt.endswith("<|END_THINKING|><|START_ACTION|>")
+    assert engine.seen[-1][1].grammar is None
+    client.post("/v1/chat/completions", json=chat_body(tools=TOOLS, tool_choice="required", reasoning_effort="none"))
+    prompt, grammar = tok.decode(engine.seen[-1][0], skip_special_tokens=False), engine.seen[-1][1].grammar
+    assert '"name": "read"' in prompt and prompt.endswith("<|START_THINKING|><|END_THINKING|>")
+    assert grammar.trigger_id is None and "start: action\n" in grammar.grammar
 
 
 def test_failed_load_is_reported_by_health_and_requests(tiny_checkpoint, tmp_path):

@@ -267,12 +267,13 @@ def test_a_system_turn_inside_messages_renders_in_place(tiny_checkpoint, tok):
 
 
 def test_forced_tool_choice_matches_chat_completions(tiny_checkpoint, tok):
-    client, engine = scripted(tiny_checkpoint, tok, '{"path": "x"}}\n]', "END_ACTION", "END_OF_TURN_TOKEN")
+    client, engine = scripted(tiny_checkpoint, tok, "START_ACTION", '[\n    {"tool_call_id": "0", "tool_name": "read", '
+                              '"parameters": {"path": "x"}}\n]', "END_ACTION", "END_OF_TURN_TOKEN")
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
             "tool_choice": {"type": "function", "function": {"name": "read"}}}
     client.post("/v1/chat/completions", json=chat)
     message = client.post("/v1/messages", json=body(tools=[READ_TOOL], tool_choice={"type": "tool", "name": "read"})).json()
-    assert engine.seen[0][0] == engine.seen[1][0]
+    assert engine.seen[0][0] == engine.seen[1][0] and engine.seen[0][1].grammar == engine.seen[1][1].grammar
     assert message["content"][0]["type"] == "tool_use" and message["content"][0]["input"] == {"path": "x"}
     assert message["stop_reason"] == "tool_use"
 

@@ -74,8 +74,8 @@ def test_cache_read_rises_on_a_repeated_prompt(client):
 
 def test_tool_use_round_trip(client):
     messages = [{"role": "user", "content": unique_prompt()}]
-    first = client.messages.create(model=MODEL, max_tokens=48, messages=messages, tools=[READ_TOOL],
-                                   tool_choice={"type": "tool", "name": "read"})
+    first = client.messages.create(model=MODEL, max_tokens=96, messages=messages, tools=[READ_TOOL],
+                                   tool_choice={"type": "tool", "name": "read"}, thinking={"type": "disabled"})
     call = first.content[0]
     assert call.type == "tool_use" and call.name == "read" and call.id.startswith("toolu_") and isinstance(call.input, dict)
     assert first.stop_reason in ("tool_use", "max_tokens")
@@ -93,8 +93,8 @@ def test_tool_use_round_trip(client):
 
 def test_streamed_tool_call_parses_in_the_sdk(client):
     """Random weights write noise as arguments: the stream must still be one the SDK can accumulate."""
-    with client.messages.stream(model=MODEL, max_tokens=32, messages=[{"role": "user", "content": "read it"}], tools=[READ_TOOL],
-                                tool_choice={"type": "tool", "name": "read"}) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=96, messages=[{"role": "user", "content": "read it"}], tools=[READ_TOOL],
+                                tool_choice={"type": "tool", "name": "read"}, thinking={"type": "disabled"}) as stream:
         final = stream.get_final_message()
     assert final.content[0].type == "tool_use" and isinstance(final.content[0].input, dict)
 

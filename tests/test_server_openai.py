@@ -339,7 +339,8 @@ def test_the_models_own_broken_calls_sent_back(client, server):
     must not make the rest of the conversation fail, and the next prompt holds its arguments as written."""
     first = messages("Read README.md, please.")
     forced = {"type": "function", "function": {"name": "read"}}  # the random weights write a call only when forced
-    reply = client.chat.completions.create(model="m", messages=first, tools=READ_TOOL, tool_choice=forced, max_tokens=3, **GREEDY)
+    reply = client.chat.completions.create(model="m", messages=first, tools=READ_TOOL, tool_choice=forced, max_tokens=64,
+                                           reasoning_effort="none", **GREEDY)  # they would never end a thinking block
     call = reply.choices[0].message.tool_calls[0]
     history = first + [reply.choices[0].message.model_dump(exclude_none=True),
                        {"role": "tool", "tool_call_id": call.id, "content": "error: the arguments are not a JSON object"}]

@@ -83,7 +83,8 @@ async def test_a_forced_call_cut_off_by_max_tokens_is_not_run_and_the_history_st
     store = SessionStore(tmp_path / "sessions.sqlite3")
     workspace = tmp_path / "project"
     workspace.mkdir()
-    forced = {"max_tokens": 6, "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "write"}}}
+    forced = {"max_tokens": 56, "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "write"}},
+              "reasoning_effort": "none"}  # the call's head (about 35 tokens), then its arguments cut off
     app = NorthcodeApp(workspace, endpoint=server_url, store=store, mode=Mode.FULL_AUTO, request_params=forced)
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: app.agent is not None, timeout_s=30)

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages -> prompt ids -> engine -> parsed reasoning, content and tool calls.
 
+response_format and tool_choice become the grammar the engine holds the turn to (structured_output.py).
 The same OutputParser runs for streaming and non-streaming requests; streaming sends its deltas
 as chunks the moment they exist (first a role chunk, then deltas, a finish chunk, the usage
 chunk with "choices": [] when asked for, and [DONE]). An engine error after the stream started
@@ -22,7 +23,7 @@ from northcode.server.output_parser import OutputParser
 from northcode.server.request_body import read_json
 from northcode.server.responses import chat_chunk, chat_logprobs, chat_message, sse, usage_chunk, usage_dict
 from northcode.server.schemas import ChatRequest, parse_chat_request
-from northcode.server.tool_choice import forced_action
+from northcode.server.structured_output import chat_grammar
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -39,16 +40,17 @@ async def chat_completions(request: Request):
 
 async def start_chat_run(state, request: Request, chat: ChatRequest, prompt_ids: list[int],
                          prefix: str) -> tuple[EngineRun, OutputParser]:
-    """The engine path every chat-shaped front end shares: the forced call (tool_choice), sampling, the
-    output parser and the admitted EngineRun, its first output awaited (RequestError if it cannot run)."""
+    """The engine path every chat-shaped front end shares: the turn's grammar (response_format, tool_choice),
+    sampling, the output parser and the admitted EngineRun, its first output awaited (RequestError if it
+    cannot run)."""
     engine, markers = state.engine, state.markers
-    forced_ids, action_prefix = forced_action(chat, prompt_ids, markers, engine.tokenizer)
-    prompt_ids = prompt_ids + forced_ids
+    grammar = await run_in_threadpool(chat_grammar, chat, prompt_ids, markers)  # checks schemas: off the loop
     sampling = prepare_sampling(state, chat.options, len(prompt_ids), [markers.start_of_turn, markers.end_of_turn])
+    sampling.grammar = grammar
     parser = OutputParser(
         engine.tokenizer, markers,
         start_in_reasoning=bool(prompt_ids) and prompt_ids[-1] == markers.start_thinking,
-        stop=sampling.stop, tools_enabled=chat.tools is not None, action_prefix=action_prefix,
+        stop=sampling.stop, tools_enabled=chat.tools is not None,
         parallel_tool_calls=chat.parallel_tool_calls, reasoning_alias=state.options.reasoning_alias,
     )
     run = EngineRun(state, request, prefix, prompt_ids, sampling)

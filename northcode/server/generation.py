@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from northcode.engine.grammar import GrammarError
 from northcode.engine.request import RequestOutput, SamplingParams
 from northcode.server.errors import RequestError
 from northcode.server.schemas import GenerationOptions
@@ -71,6 +72,9 @@ class EngineRun:
         try:
             self._outputs = self.state.engine.generate(self.request_id, self._prompt_ids, self._sampling)
             self._first = await self._outputs.__anext__()
+        except GrammarError as err:  # the tokenizer-free check passed (structured_output.py), the build did not
+            await self.close()
+            raise RequestError(str(err), "response_format") from err
         except ValueError as err:  # the engine refuses it before the first output: prompt or pool too small
             await self.close()
             raise RequestError(str(err), self._prompt_param, code="context_length_exceeded") from err

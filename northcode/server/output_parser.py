@@ -43,7 +43,6 @@ class OutputParser:
         tools_enabled: bool = True,
         parallel_tool_calls: bool = True,
         reasoning_alias: bool = True,  # also send reasoning as `reasoning` (newer vLLM, Cohere's server)
-        action_prefix: str | None = None,  # the prompt ends inside an ACTION block holding this text (forced call)
         new_call_id: Callable[[], str] = new_call_id,
     ) -> None:
         self._tokenizer = tokenizer
@@ -67,9 +66,6 @@ class OutputParser:
         self.reasoning_tokens = 0
         self.dropped_calls = 0  # calls beyond the first when parallel_tool_calls is false
         self.broken_calls = 0  # announced calls whose JSON was cut off or malformed
-        if action_prefix is not None:  # the forced call's name, if any, is announced by the first feed()
-            self.channel = ACTION
-            self._on_action_events(self._scanner.push(action_prefix))
 
     @property
     def stopped(self) -> bool:

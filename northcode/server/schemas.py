@@ -37,6 +37,8 @@ class ChatRequest:
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
     template_kwargs: dict = field(default_factory=dict)
+    response_schema: dict | None = None  # the JSON schema the answer must follow (None: free text)
+    tool_params: dict[str, str] = field(default_factory=dict)  # tool name -> where its schema sits in the body
 
 
 @dataclass(slots=True)
@@ -187,14 +189,19 @@ def parse_chat_request(body, *, default_system_prompt: str | None) -> ChatReques
     if default_system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": default_system_prompt})
     tools = _parse_tools(_field(body, "tools", (list,), None))
+    tool_params = {t["function"]["name"]: f"tools[{i}].function.parameters"
+                   for i, t in reversed(list(enumerate(tools or [])))}  # a name used twice: its first
     tool_choice = _parse_tool_choice(body.get("tool_choice"), tools)
     if tool_choice == "none":
         tools = None
     elif isinstance(tool_choice, dict):
         tools = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
-    request = ChatRequest(messages, parse_options(body, chat=True), tools, tool_choice)
+    request = ChatRequest(messages, parse_options(body, chat=True), tools, tool_choice, tool_params=tool_params)
     request.parallel_tool_calls = _field(body, "parallel_tool_calls", (bool,), True)
     request.template_kwargs = _template_kwargs(body)
+    response_format = request.template_kwargs.get("response_format")
+    if response_format is not None:  # the answer is held to it (structured_output.py): any object, or the schema
+        request.response_schema = response_format.get("schema") or {"type": "object"}
     return request
 
 
@@ -237,6 +244,8 @@ def _response_format(response_format: dict | None) -> dict | None:
             raise RequestError('response_format.json_schema must be an object: {"name": ..., "schema": {...}}',
                                "response_format.json_schema")
         schema, param = json_schema.get("schema"), "response_format.json_schema.schema"
+        if json_schema.get("strict") is not None and not isinstance(json_schema["strict"], bool):  # both are enforced
+            raise RequestError("response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict")
     if schema is not None and not isinstance(schema, dict):
         raise RequestError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
     return {"type": "json_object", "schema": schema} if schema else {"type": "json_object"}
