@@ -25,7 +25,7 @@ phase doctor 60 python3 -m northcode.cli doctor
 python3 -m northcode.cli serve --port 8123 > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 180); do curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 1; done
-phase client 120 python3 tools/serve_client_check.py http://127.0.0.1:8123/v1 --backend megakernel
+phase client 120 python3 lab/serve_client_check.py http://127.0.0.1:8123/v1 --backend megakernel
 kill $SERVER; wait $SERVER 2>/dev/null
 phase bench_engine 240 python3 -m northcode.cli bench engine --preset north-mini-code --backend megakernel \
   --batch-sizes 1,8

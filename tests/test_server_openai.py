@@ -456,10 +456,10 @@ def test_serve_prints_a_fatal_engine_error_and_exits_1(tiny_checkpoint):
 
 
 def test_the_device_client_check_passes_here(server):
-    """tools/serve_client_check.py (a new user's requests, run on the H200 by tools/device_serve_check.sh) against
+    """lab/serve_client_check.py (a new user's requests, run on the H200 by lab/device_serve_check.sh) against
     this server: every check passes, and a wrong backend name fails the run."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "tools/serve_client_check.py", server.url + "/v1"]
+    cmd = [sys.executable, "lab/serve_client_check.py", server.url + "/v1"]
     done = subprocess.run([*cmd, "--backend", "torch"], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == [

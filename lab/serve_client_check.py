@@ -1,6 +1,6 @@
 """A new user's first requests, sent with the official `openai` package to a running `northcode serve`.
 
-    python tools/serve_client_check.py http://127.0.0.1:8123/v1 [--backend megakernel]
+    python lab/serve_client_check.py http://127.0.0.1:8123/v1 [--backend megakernel]
 
 Checks what a client sees: /v1/models names the backend, a chat completion, a streamed one, a tool-calling
 request, eight requests at once (the batch the engine decodes together), a bad request answered 400 with a
