@@ -52,6 +52,10 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef ATTN2
 #define ATTN2 1
 #endif
+// MERGE1: the split merge in one pass (a warp a head; every split's m, l and values loaded together, combined online).
+#ifndef MERGE1
+#define MERGE1 0
+#endif
 // ATTN3: the producer reads 8 block-table entries at once, and the split merge has a chunk's loads in flight together.
 #ifndef ATTN3
 #define ATTN3 1
@@ -883,6 +887,47 @@ __device__ __forceinline__ unsigned kv_addr(const unsigned char* page, int tok, 
 __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
   const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, splits = t.a[3];
   const float* part = p.part + ((size_t)(b * KVH + kvh) * MAX_SPLITS) * GROUP * (HD + 2);
+#if MERGE1
+  // one pass: warp w merges head w, each lane 4 consecutive dims; a chunk's loads (every split's m, l and 4
+  // values) are issued together, then combined online (the running sums rescaled when the max grows)
+  static_assert(kConsumers == GROUP && HD == 4 * 32, "MERGE1: a warp a head, 4 dims a lane");
+  constexpr int kChunk = 8;
+  const int hq = warp, d0 = 4 * lane;
+  float run_m = -INFINITY, den = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int sp0 = 0; sp0 < splits; sp0 += kChunk) {
+    float m[kChunk], l[kChunk], v[kChunk][4];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const bool ok = sp0 + j < splits;
+      const float* row = &part[((sp0 + j) * GROUP + hq) * (HD + 2)];
+      m[j] = ok ? __ldcg(&row[HD]) : -INFINITY;
+      l[j] = ok ? __ldcg(&row[HD + 1]) : 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[j][e] = ok ? __ldcg(&row[d0 + e]) : 0.f;
+    }
+    float cm = run_m;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) cm = fmaxf(cm, m[j]);
+    if (cm == -INFINITY) continue;
+    const float scale = run_m == -INFINITY ? 0.f : exp2f(run_m - cm);
+    den *= scale;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] *= scale;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const float w = m[j] == -INFINITY ? 0.f : exp2f(m[j] - cm);
+      den += w * l[j];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] += w * v[j][e];
+    }
+    run_m = cm;
+  }
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  uint2 out;
+  out.x = pack_bf16(acc[0] * inv, acc[1] * inv);
+  out.y = pack_bf16(acc[2] * inv, acc[3] * inv);
+  *reinterpret_cast<uint2*>(&p.attn_out[b * QSIZE + (kvh * GROUP + hq) * HD + d0]) = out;
+#else
   float* wts = &s.attn[0][0];  // [GROUP][MAX_SPLITS], then den [GROUP]
   float m[2], l[2];
 #pragma unroll
@@ -939,6 +984,7 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
     p.attn_out[b * QSIZE + (kvh * GROUP + hq) * HD + d] = __float2bfloat16(acc / wts[GROUP * MAX_SPLITS + hq]);
   }
 #endif
+#endif  // MERGE1
 }
 
 __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t) {
@@ -1564,6 +1610,50 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   double experts = 0;
   for (int l = 1; l < layers; ++l) experts += slots[l * (1 + MAX_SLOTS)];
 
+  // attention against the host: layer 48 (a full layer, the last to write q and attn_out) for row 0, every head,
+  // from the device's q and the pool's pages; up to 32K (the pages are copied one by one)
+  double attn_err = -1;
+  if (layers == LAYERS && context <= 32768) {
+    std::vector<bf16> out(QSIZE), kp((size_t)PAGE * KVH * HD), vp((size_t)PAGE * KVH * HD);
+    CK(cudaMemcpy(out.data(), p.attn_out, QSIZE * 2, cudaMemcpyDeviceToHost));
+    const int l = LAYERS - 1;
+    std::vector<double> sc((size_t)HEADS * full_pages * PAGE, -INFINITY), acc((size_t)HEADS * HD, 0.0);
+    std::vector<float> kf((size_t)full_pages * PAGE * KVH * HD), vf(kf.size());
+    for (int pg = 0; pg < full_pages; ++pg) {
+      const int phys = tables[((size_t)l * batch) * full_pages + pg];
+      CK(cudaMemcpy(kp.data(), kpool + (size_t)phys * PAGE * KVH * HD, kp.size() * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(vp.data(), vpool + (size_t)phys * PAGE * KVH * HD, vp.size() * 2, cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < kp.size(); ++i) {
+        kf[(size_t)pg * PAGE * KVH * HD + i] = __bfloat162float(kp[i]);
+        vf[(size_t)pg * PAGE * KVH * HD + i] = __bfloat162float(vp[i]);
+      }
+    }
+    double e2 = 0, r2 = 0;
+    for (int h = 0; h < HEADS; ++h) {
+      const int kvh = h / GROUP;
+      double mx = -INFINITY;
+      for (int tok = 0; tok < len; ++tok) {
+        double dot = 0;
+        for (int d = 0; d < HD; ++d)
+          dot += (double)__bfloat162float(q[h * HD + d]) * kf[((size_t)tok * KVH + kvh) * HD + d];
+        sc[(size_t)h * full_pages * PAGE + tok] = dot / sqrt((double)HD);
+        mx = std::max(mx, dot / sqrt((double)HD));
+      }
+      double den = 0;
+      for (int tok = 0; tok < len; ++tok) {
+        const double w = exp(sc[(size_t)h * full_pages * PAGE + tok] - mx);
+        den += w;
+        for (int d = 0; d < HD; ++d) acc[(size_t)h * HD + d] += w * vf[((size_t)tok * KVH + kvh) * HD + d];
+      }
+      for (int d = 0; d < HD; ++d) {
+        const double ref = acc[(size_t)h * HD + d] / den, got = __bfloat162float(out[h * HD + d]);
+        e2 += (got - ref) * (got - ref);
+        r2 += ref * ref;
+      }
+    }
+    attn_err = sqrt(e2 / r2);
+  }
+
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   p.no_wait = no_wait;
@@ -1591,10 +1681,10 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   if (cfg.drain)
     snprintf(lay + strlen(lay), sizeof lay - strlen(lay), " t%d/%d/%d", cfg.up_pairs, cfg.down_groups, cfg.o_groups);
   if (layers != LAYERS) snprintf(lay + strlen(lay), sizeof lay - strlen(lay), "=%d", layers);
-  printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %d | %.2f |\n", batch, lay,
+  printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %.1e | %d | %.2f |\n", batch, lay,
          no_wait == 2 ? " no-load" : no_wait ? " no-wait" : "", context, ms,
          batch * 1000.0 / ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12, 100.0 * bytes / 4.8e12 / (ms * 1e-3),
-         100.0 * bytes / copy_bw / (ms * 1e-3), layers > 1 ? experts / (layers - 1) : 0.0, sqrt(err / ref2), out[0], ghz);
+         100.0 * bytes / copy_bw / (ms * 1e-3), layers > 1 ? experts / (layers - 1) : 0.0, sqrt(err / ref2), attn_err, out[0], ghz);
   fflush(stdout);
   for (void* ptr : {(void*)kpool, (void*)vpool, (void*)d_tasks, (void*)d_start, (void*)d_tables, (void*)d_tokens,
                     (void*)p.counters, (void*)p.x, (void*)p.qkv, (void*)p.router, (void*)p.slots, (void*)p.slot_w,
@@ -1618,8 +1708,8 @@ int main(int argc, char** argv) {
   const double bw = measure_copy(sms, w.gate_up, w.gate_up + ((size_t)8 << 30));
   printf("copy bandwidth %.2f TB/s (read + written), %d SMs; ring stages B=1 %d, B=8 %d\n", bw / 1e12, sms, ring_stages(1),
          ring_stages(8));
-  printf("| B | context | ms/step | tok/s | GB/step | TB/s | SoL 4.8 | SoL copy | experts/layer | q rel err | token | SM GHz |\n");
-  printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  printf("| B | context | ms/step | tok/s | GB/step | TB/s | SoL 4.8 | SoL copy | experts/layer | q rel err | attn rel err | token | SM GHz |\n");
+  printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int i = 2; i < argc; ++i) {
     Config c;
     sscanf(argv[i], "%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", &c.batch, &c.context, &c.layers, &c.no_wait,
