@@ -52,6 +52,10 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef ATTN2
 #define ATTN2 1
 #endif
+// ATTN6: attention's warps split the head dimension for P V (consume_attn6): no sum over warps.
+#ifndef ATTN6
+#define ATTN6 0
+#endif
 // MERGE1: the split merge in one pass (a warp a head; every split's m, l and values loaded together, combined online).
 #ifndef MERGE1
 #define MERGE1 0
@@ -244,6 +248,9 @@ __device__ __forceinline__ void signal(unsigned* c) {  // after consumer_sync: e
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(unsigned (&r)[2], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 __device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -987,19 +994,42 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
 #endif  // MERGE1
 }
 
-__device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t) {
-  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-  wait_for(p, t.wait, t.target);
+// After the split's partial is in p.part (and a consumer_sync): its ticket; the last split merges and signals.
+__device__ void finish_split(const Params& p, Smem& s, const Task& t) {
+  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB;
+  if (tid == 0) {
+    fence_gpu();
+    s.flag = atomicAdd(&p.counters[ctr(t.layer, C_SPLIT) + b * KVH + kvh], 1u) == (unsigned)t.a[3] - 1;
+    fence_gpu();
+  }
+  consumer_sync();
+  mark(p, 3);  // the split written and its ticket taken
+  if (s.flag) {
+    merge_splits(p, s, t);
+    mark(p, 4);  // merged
+    finish(p, s, t);
+  }
+}
+
+// q of the task's (row, KV head) into shared memory, then every warp's A fragments of it.
+__device__ void load_q(const Params& p, Smem& s, const Task& t, unsigned (&qa)[HD / 16][2]) {
+  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, lane = tid % 32, g = lane / 4, c = lane % 4;
   for (int i = tid; i < GROUP * HD; i += kConsumers * 32)
     sm_act(s)[(i / HD) * kQStride + i % HD] = __ldcg(&p.qkv[b * QKV_ROWS + kvh * GROUP * HD + i]);
   consumer_sync();
   mark(p, 0);  // q in shared memory
-  unsigned qa[HD / 16][2];
 #pragma unroll
   for (int j = 0; j < HD / 16; ++j) {
     qa[j][0] = *reinterpret_cast<const unsigned*>(&sm_act(s)[g * kQStride + 16 * j + 2 * c]);
     qa[j][1] = *reinterpret_cast<const unsigned*>(&sm_act(s)[g * kQStride + 16 * j + 8 + 2 * c]);
   }
+}
+
+__device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t) {
+  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  wait_for(p, t.wait, t.target);
+  unsigned qa[HD / 16][2];
+  load_q(p, s, t, qa);
   int first, last;
   split_pages(p, t, first, last);
   const int len = p.context + 1, lo_tok = t.a[4] ? max(0, len - WINDOW) : 0;
@@ -1097,18 +1127,105 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
   for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
   consumer_sync();
-  if (tid == 0) {
-    fence_gpu();
-    s.flag = atomicAdd(&p.counters[ctr(t.layer, C_SPLIT) + b * KVH + kvh], 1u) == (unsigned)t.a[3] - 1;
-    fence_gpu();
+  finish_split(p, s, t);
+}
+
+// ATTN6: the warps split the head dimension for P V instead of the tokens. Each warp computes S for its 8 tokens of a
+// page; the page's maxima and P (bf16) go through shared memory (s.red, free during attention); then each warp
+// accumulates O for its 16 of the 128 dims over all 64 tokens. Every warp keeps the same running max, so the
+// split's partial needs no sum over warps: each warp writes its own dims.
+__device__ void consume_attn6(const Params& p, Smem& s, Stream& st, const Task& t) {
+  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  constexpr int kPS = PAGE + 8;  // P's row stride in bf16: 144 bytes, so ldmatrix's 8 rows fall on different banks
+  static_assert(kConsumers * 16 == HD && kConsumers * 8 == PAGE, "ATTN6: 8 warps, 16 dims and 8 tokens each");
+  static_assert(sizeof(s.red) >= 2 * (GROUP * kPS * 2 + GROUP * kConsumers * 4) + GROUP * kConsumers * 4, "ATTN6: scratch");
+  unsigned char* scratch = reinterpret_cast<unsigned char*>(&s.red[0][0][0]);
+  float* lsum = reinterpret_cast<float*>(scratch + 2 * (GROUP * kPS * 2 + GROUP * kConsumers * 4));  // [warp][head]
+  wait_for(p, t.wait, t.target);
+  unsigned qa[HD / 16][2];
+  load_q(p, s, t, qa);
+  int first, last;
+  split_pages(p, t, first, last);
+  const int len = p.context + 1, lo_tok = t.a[4] ? max(0, len - WINDOW) : 0;
+  const float scale = 1.4426950408889634f * rsqrtf((float)HD);
+  float m = -INFINITY, l = 0.f, o[2][4] = {};
+  for (int pg = first; pg < last; ++pg) {
+    unsigned char* buf = scratch + ((pg - first) & 1) * (GROUP * kPS * 2 + GROUP * kConsumers * 4);
+    bf16* P = reinterpret_cast<bf16*>(buf);                         // [head][kPS]
+    float* pmax = reinterpret_cast<float*>(buf + GROUP * kPS * 2);   // [warp][head]
+    int k = st.k;
+    mbar_wait(&s.full[k], st.phase);
+    const unsigned char* kpage = sm_ring(s) + (size_t)k * kStageBytes;
+    float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < HD / 16; j += 2) {  // S = q K^T for the warp's 8 tokens, in two chains
+      unsigned kb[4];
+      ldsm_x4(kb, kv_addr(kpage, 8 * warp + lane % 8, 16 * j + 8 * (lane / 8)));
+      mma(sc, qa[j][0], qa[j][1], kb[0], kb[1]);
+      mma(sc2, qa[j + 1][0], qa[j + 1][1], kb[2], kb[3]);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&s.empty[k]);
+    st.advance(s.stages);
+    const int tok = pg * PAGE + 8 * warp + 2 * c;
+    const float s0 = (tok < len && tok >= lo_tok) ? (sc[0] + sc2[0]) * scale : -INFINITY;
+    const float s1 = (tok + 1 < len && tok + 1 >= lo_tok) ? (sc[1] + sc2[1]) * scale : -INFINITY;
+    float mx = fmaxf(s0, s1);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    if (c == 0) pmax[warp * GROUP + g] = mx;
+    consumer_sync();  // the page's maxima
+    float page_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kConsumers; ++w) page_max = fmaxf(page_max, pmax[w * GROUP + g]);
+    const float m_new = fmaxf(m, page_max);
+    const float corr = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
+    const float p0 = m_new == -INFINITY ? 0.f : exp2f(s0 - m_new), p1 = m_new == -INFINITY ? 0.f : exp2f(s1 - m_new);
+    l = l * corr + p0 + p1;
+    m = m_new;
+    *reinterpret_cast<unsigned*>(&P[g * kPS + 8 * warp + 2 * c]) = pack_bf16(p0, p1);
+    consumer_sync();  // the page's P
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nb][e] *= corr;
+    k = st.k;
+    mbar_wait(&s.full[k], st.phase);
+    const unsigned char* vpage = sm_ring(s) + (size_t)k * kStageBytes;
+#pragma unroll
+    for (int j = 0; j < PAGE / 16; ++j) {  // O[:, the warp's 16 dims] += P[:, 16 tokens] V[16 tokens, 16 dims]
+      unsigned pa[2], vb[4];
+      ldsm_x2(pa, smem_u32(&P[(lane % 8) * kPS + 16 * j + 8 * ((lane / 8) % 2)]));
+      const int mi = lane / 8;
+      ldsm_x4_t(vb, kv_addr(vpage, 16 * j + (mi % 2) * 8 + lane % 8, 16 * warp + (mi / 2) * 8));
+      mma(o[0], pa[0], pa[1], vb[0], vb[1]);
+      mma(o[1], pa[0], pa[1], vb[2], vb[3]);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&s.empty[k]);
+    st.advance(s.stages);
+  }
+  mark(p, 1);  // the pages done
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (c == 0) lsum[warp * GROUP + g] = l;
+  consumer_sync();
+  float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb) {
+    part[g * (HD + 2) + 16 * warp + 8 * nb + 2 * c] = o[nb][0];
+    part[g * (HD + 2) + 16 * warp + 8 * nb + 2 * c + 1] = o[nb][1];
+  }
+  if (warp == 0 && c == 0) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kConsumers; ++w) total += lsum[w * GROUP + g];
+    part[g * (HD + 2) + HD] = m;
+    part[g * (HD + 2) + HD + 1] = total;
   }
   consumer_sync();
-  mark(p, 3);  // the split written and its ticket taken
-  if (s.flag) {
-    merge_splits(p, s, t);
-    mark(p, 4);  // merged
-    finish(p, s, t);
-  }
+  mark(p, 2);  // the split's partial written
+  finish_split(p, s, t);
 }
 
 // ====  7. LM head: logits of 8-row groups, greedy pick per row; the last task picks the winner  ====
@@ -1189,7 +1306,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
       case T_ROUTER: consume_router(p, s, st, t); break;
       case T_UP: consume_up(p, s, st, t); break;
       case T_DOWN: consume_down(p, s, st, t); break;
-      case T_ATTN: consume_attn(p, s, st, t); break;
+      case T_ATTN: if (ATTN6) consume_attn6(p, s, st, t); else consume_attn(p, s, st, t); break;
       case T_OPROJ: consume_oproj(p, s, st, t); break;
       case T_DRAIN: consume_drain(p, s, st, t); break;
       case T_LM: consume_lm(p, s, st, t, t.a[2]); break;
