@@ -145,8 +145,12 @@ async def test_approvals_by_mode_and_session():
     headless = Approvals(Mode.AUTO_EDIT, None)
     assert (await headless.decide(edit))[0] and not (await headless.decide(shell))[0]
     assert (await Approvals(Mode.FULL_AUTO, None).decide(shell))[0]
-    assert Mode.ASK.next() is Mode.AUTO_EDIT and Mode.FULL_AUTO.next() is Mode.ASK
-    with pytest.raises(ValueError, match="expected one of ask, auto-edit, full-auto"):
+    approvals.mode = Mode.PLAN  # read-only: the session's approvals do not reach past it, and nothing is asked
+    assert not (await approvals.decide(edit))[0] and not (await approvals.decide(shell))[0]
+    assert (await approvals.decide(PreparedCall("todowrite", "todo", "todowrite", "", noop)))[0]
+    assert len(asked) == 3
+    assert Mode.ASK.next() is Mode.AUTO_EDIT and Mode.FULL_AUTO.next() is Mode.PLAN and Mode.PLAN.next() is Mode.ASK
+    with pytest.raises(ValueError, match="expected one of plan, ask, auto-edit, full-auto"):
         Mode.parse("yolo")
 
 

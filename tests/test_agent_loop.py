@@ -279,3 +279,47 @@ async def test_cancelled_before_any_reply_takes_the_prompt_back(workspace, tmp_p
         await agent.run_turn("hello")
         await agent.client.aclose()
     assert [m["role"] for m in endpoint.requests[1]["messages"]] == ["system", "user"]
+
+
+async def test_plan_mode_refuses_changes_without_asking_and_tells_the_model(workspace, tmp_path):
+    todos = [{"content": "make greet use an f-string", "status": "pending", "priority": "high", "id": "1"}]
+    replies = [tool_reply(("read", {"filePath": "src/app.py"}), ("todowrite", {"todos": todos}),
+                          ("edit", {"filePath": "src/app.py", "oldString": "'hello ' + name", "newString": "'hi'"}),
+                          ("bash", {"command": "touch should_not_exist"})),
+               text_reply("The plan: one step."), text_reply("Done.")]
+    asker = RecordingAsker()  # no decisions: a question would fail the test
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, mode=Mode.PLAN, asker=asker)
+        await agent.run_turn("plan the f-string change")
+        agent.approvals.mode = Mode.AUTO_EDIT
+        await agent.run_turn("go ahead")
+        await agent.client.aclose()
+    assert asker.asked == [] and (workspace.root / "src" / "app.py").read_text() == APP_PY
+    assert not (workspace.root / "should_not_exist").exists()
+    read_out, todo_out, edit_out, bash_out = tool_outputs(endpoint, 1)
+    assert "greet" in read_out and todo_out == "1 todos (1 pending):\n[ ] make greet use an f-string (id 1, high)"
+    assert "plan mode, which is read-only" in edit_out and "let you edit files" in edit_out
+    assert "plan mode, which is read-only" in bash_out and "let you run commands" in bash_out
+    first, second = [m["content"] for m in endpoint.requests[2]["messages"] if m["role"] == "user"]
+    assert first.startswith("[northcode: plan mode: the user wants a plan") and first.endswith("plan the f-string change")
+    assert second == "[northcode: plan mode is over (mode auto-edit): you may now edit files and run commands as the " \
+                     "mode allows.]\n\ngo ahead"
+    assert [t.content for t in agent.toolbox.todos.items] == ["make greet use an f-string"]
+
+
+async def test_the_todo_list_belongs_to_the_conversation(workspace, tmp_path):
+    todos = [{"content": "step one", "status": "in_progress", "priority": "medium", "id": "a"}]
+    replies = [tool_reply(("todowrite", {"todos": todos}), ("todoread", {})), text_reply("Planned."),
+               tool_reply(("todoread", {})), text_reply("Still planned.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        agent, _ = make_agent(endpoint, workspace, tmp_path, mode=Mode.ASK)
+        await agent.run_turn("plan")
+        resumed, _ = make_agent(endpoint, workspace, tmp_path, mode=Mode.ASK, messages=agent.messages)
+        await resumed.run_turn("where are we?")
+        fresh, _ = make_agent(endpoint, workspace, tmp_path)
+        await agent.client.aclose()
+        await resumed.client.aclose()
+        await fresh.client.aclose()
+    listed = "1 todos (1 in progress):\n[~] step one (id a, medium)"
+    assert tool_outputs(endpoint, 1) == [listed, listed] and tool_outputs(endpoint, 3)[-1] == listed
+    assert fresh.toolbox.todos.items == [] and endpoint.requests[0]["tools"][-2]["function"]["name"] == "todowrite"

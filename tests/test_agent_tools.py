@@ -27,9 +27,21 @@ async def call(tools, name, **args) -> str:
 
 def test_schemas_use_opencode_names():
     names = [t["function"]["name"] for t in TOOL_SCHEMAS]
-    assert names == ["read", "list", "glob", "grep", "edit", "write", "bash"]
+    assert names == ["read", "list", "glob", "grep", "edit", "write", "bash", "todowrite", "todoread"]
     edit = TOOL_SCHEMAS[4]["function"]["parameters"]
     assert edit["required"] == ["filePath", "oldString", "newString"] and "replaceAll" in edit["properties"]
+    todo = TOOL_SCHEMAS[7]["function"]["parameters"]["properties"]["todos"]["items"]
+    assert todo["required"] == ["content", "status", "priority", "id"]
+
+
+async def test_todowrite_replaces_the_list_and_todoread_reads_it(tools):
+    assert await call(tools, "todoread") == "The todo list is empty."
+    written = await call(tools, "todowrite", todos=[{"content": "a", "status": "completed", "priority": "low", "id": "1"}])
+    assert written == "1 todos (1 completed):\n[x] a (id 1, low)" == await call(tools, "todoread")
+    prepared = tools.prepare("todowrite", {"todos": []})
+    assert prepared.kind == "todo" and prepared.preview == "" and prepared.title == "todowrite: 0 todos"
+    with pytest.raises(ToolError, match="todos\\[0\\].status 'done'"):
+        tools.prepare("todowrite", {"todos": [{"content": "a", "status": "done"}]})
 
 
 async def test_read_line_ranges(tools):

@@ -179,3 +179,18 @@ def test_an_endpoint_with_an_api_key(workspace, capsys, monkeypatch):
         monkeypatch.setenv("NORTHCODE_API_KEY", "sekrit")
         assert main(["run", "-p", "hi", "--endpoint", endpoint.url, str(workspace)]) == 0
     assert capsys.readouterr().out == "ok\n"
+
+
+def test_mode_plan_prints_the_todo_list_and_refuses_changes(workspace, capsys):
+    todos = [{"content": "greet in French", "status": "in_progress", "priority": "high", "id": "1"}]
+    replies = [tool_reply(("todowrite", {"todos": todos}), ("write", {"filePath": "x.txt", "content": "x"}),
+                          ("bash", {"command": "touch y.txt"})),
+               text_reply("Plan: one step.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        code = main(["run", "-p", "plan it", "--mode", "plan", "--json", "--endpoint", endpoint.url, str(workspace)])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["mode"] == "plan"
+    assert not (workspace / "x.txt").exists() and not (workspace / "y.txt").exists()
+    assert "→ todowrite: 1 todos\n  1 todos (1 in progress):\n  [~] greet in French (id 1, high)\n" in err
+    assert err.count("plan mode, which is read-only") == 2
+    assert endpoint.requests[0]["messages"][1]["content"].startswith("[northcode: plan mode:")

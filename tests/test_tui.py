@@ -184,6 +184,8 @@ async def test_slash_commands_and_mentions(workspace, store):
             await send(app, pilot, "/mode full-auto")
             assert app.approvals.mode is Mode.FULL_AUTO and "mode full-auto" in app.query_one(StatusLine).render_text()
             await pilot.press("shift+tab")
+            assert app.approvals.mode is Mode.PLAN
+            await pilot.press("shift+tab")
             assert app.approvals.mode is Mode.ASK
             await send(app, pilot, "/mode bogus")
             await send(app, pilot, "/frob")

@@ -1,8 +1,9 @@
 """Who decides whether a tool call runs: the mode, the session's standing approvals, or the user.
 
-Modes: `ask` (reads run; edits and shell commands ask), `auto-edit` (reads and edits run; shell
-asks), `full-auto` (everything runs). The answer to a question is allow once, allow for this
-session (every edit from then on; for shell, that exact command again) or deny, with or without a
+Modes: `plan` (read-only: reads run; edits and shell commands are refused without a question), `ask`
+(reads run; edits and shell commands ask), `auto-edit` (reads and edits run; shell asks), `full-auto`
+(everything runs). The todo list touches no file and runs in every mode. The answer to a question is
+allow once, allow for this session (every edit from then on; for shell, that exact command again) or deny, with or without a
 note that tells the model what to do instead; for an edit, also some of its hunks only. With no one to ask (headless), a call that needs a
 question is denied with a reason the model can read.
 The sandbox's path checks hold in every mode; approvals never widen them. Shell commands that
@@ -21,6 +22,9 @@ from northcode.agent.tools import PreparedCall
 
 
 class Mode(str, enum.Enum):
+    """In cycling order (Shift+Tab): from the most careful to the least, and back to plan."""
+
+    PLAN = "plan"
     ASK = "ask"
     AUTO_EDIT = "auto-edit"
     FULL_AUTO = "full-auto"
@@ -66,7 +70,11 @@ class Answer:
     hunks: frozenset[int] | None = None
 
 
-AUTO_KINDS = {Mode.ASK: {"read"}, Mode.AUTO_EDIT: {"read", "edit"}, Mode.FULL_AUTO: {"read", "edit", "shell"}}
+AUTO_KINDS = {Mode.PLAN: {"read", "todo"}, Mode.ASK: {"read", "todo"}, Mode.AUTO_EDIT: {"read", "todo", "edit"},
+              Mode.FULL_AUTO: {"read", "todo", "edit", "shell"}}
+PLAN_REFUSAL = ("refused without asking: the session is in plan mode, which is read-only (read, list, glob, grep and "
+                "the todo list only). Finish the plan and present it; the user leaves plan mode to let you {kind}")
+PLAN_VERBS = {"edit": "edit files", "shell": "run commands"}
 Asker = Callable[[PreparedCall], Awaitable[Decision | Answer]]
 
 
@@ -85,6 +93,8 @@ class Approvals:
         """Whether `call` may run, why (the reason goes to the model when it is denied), and the hunks of an
         edit the user took (None: the whole call)."""
         dangerous = call.kind == "shell" and is_dangerous(call.preview)
+        if self.mode is Mode.PLAN and call.kind not in AUTO_KINDS[Mode.PLAN]:  # before the session's approvals
+            return False, PLAN_REFUSAL.format(kind=PLAN_VERBS.get(call.kind, f"run {call.kind} calls")), None
         if call.kind in AUTO_KINDS[self.mode] and not dangerous:
             return True, f"allowed by mode {self.mode.value}", None
         if self._session_key(call) in self.session_allowed and not dangerous:

@@ -10,6 +10,8 @@ cut off by the token limit are never run. Every appended message goes to `on_mes
 session store), every take-back to `on_retract`. Before a request that would fill more than
 AUTO_COMPACT_SHARE of the context window, the agent compacts the conversation as /compact does
 (compaction.py), says so through `on_event`, and hands the short conversation to `on_compacted`.
+Entering and leaving plan mode is told to the model as a note on the next user message (the system
+prompt stays as it was); the toolbox's todo list is the one this conversation's todowrite calls left.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from northcode.agent.approvals import Approvals
+from northcode.agent.approvals import Approvals, Mode
 from northcode.agent.client import ChatClient, Completion, Delta, EndpointError, ToolCall
 from northcode import paths
 from northcode.agent.compaction import CompactError, compacted, first_request, summarise
 from northcode.agent.instructions import find_instructions, instructions_prompt
 from northcode.agent.sessions import session_title
+from northcode.agent.todos import TodoList
 from northcode.agent.tools import TOOL_SCHEMAS, PreparedCall, ToolBox, ToolError
 
 DEFAULT_MAX_STEPS = 25
@@ -38,7 +41,12 @@ SYSTEM_PROMPT = """You are northcode, a coding assistant working in the folder {
 Use the tools to look at the code before you change it: read, list, glob and grep to explore, \
 edit for exact string replacements, write for new files, bash for commands (tests, builds, git). \
 Paths are relative to {root}; nothing outside it can be read or written. \
-Make the smallest change that does the job, check it when you can, and answer briefly."""
+Make the smallest change that does the job, check it when you can, and answer briefly. \
+For a task of several steps, keep a todo list with todowrite and update it as you go."""
+PLAN_NOTE = ("plan mode: the user wants a plan before any change. You may read, list, glob, grep and keep the todo "
+             "list; edit, write and bash are refused. Explore, then answer with the plan (and write it with "
+             "todowrite); the user switches modes to let you carry it out.")
+LEFT_PLAN_NOTE = "plan mode is over (mode {mode}): you may now edit files and run commands as the mode allows."
 
 
 def system_prompt(root: Path) -> str:
@@ -151,6 +159,8 @@ class Agent:
         self.context_used: int | None = None  # tokens: prompt + reply of the last request (its usage)
         self.num_measured = 0  # messages that context_used counts
         self.num_compacted: int | None = None  # messages right after the last compaction
+        self.told_planning = False  # whether the model was last told that it is in plan mode
+        toolbox.todos = TodoList.from_messages(self.messages)
         if not self.messages:
             self._append({"role": "system", "content": system_prompt(toolbox.workspace.root)})
 
@@ -180,6 +190,10 @@ class Agent:
         """
         if self.should_compact(len(user_text)):  # before the request is appended: it stays word for word
             await self._auto_compact()
+        planning = self.approvals.mode is Mode.PLAN
+        if planning != self.told_planning:
+            self.told_planning = planning
+            self.note(PLAN_NOTE if planning else LEFT_PLAN_NOTE.format(mode=self.approvals.mode.value))
         num_before, notes, compacted_before = len(self.messages), self.notes, self.num_compacted
         self.notes = []
         self._append({"role": "user", "content": "\n\n".join([*(f"[northcode: {n}]" for n in notes), user_text])})

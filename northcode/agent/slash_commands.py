@@ -15,7 +15,7 @@ SLASH_COMMANDS = (  # (name, its argument as the help page writes it (Markdown),
     ("new", "", "start a new session"),
     ("sessions", "", "list, resume or delete saved sessions"),
     ("model", "[ID]", "show the model and endpoint; switch to another served model"),
-    ("mode", "[ask\\|auto-edit\\|full-auto]", "show or set when tools ask first"),
+    ("mode", "[plan\\|ask\\|auto-edit\\|full-auto]", "show or set when tools ask first"),
     ("undo", "", "take back the file changes of the agent's last turn that made any (not shell commands)"),
     ("compact", "", "summarise the conversation so far and go on from the summary (frees the context; "
                     "the agent does it itself before the context fills)"),
@@ -24,7 +24,8 @@ SLASH_COMMANDS = (  # (name, its argument as the help page writes it (Markdown),
     ("quit", "", "leave"),
 )
 NAMES = tuple(name for name, _, _ in SLASH_COMMANDS)
-MODE_HELP = {Mode.ASK: "reads run; edits and shell commands ask first",
+MODE_HELP = {Mode.PLAN: "read-only: reads and the todo list run; edits and shell commands are refused",
+             Mode.ASK: "reads run; edits and shell commands ask first",
              Mode.AUTO_EDIT: "reads and edits run; shell commands ask first",
              Mode.FULL_AUTO: "everything runs, but commands that reach beyond the workspace ask"}
 

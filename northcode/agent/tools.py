@@ -1,7 +1,8 @@
 """The agent's tools: OpenAI function schemas and their implementations, named as in OpenCode.
 
 read, list, glob, grep (read-only); edit (exact string replacement), write (edit kind);
-bash (shell kind). `prepare` validates a call's arguments and the paths it touches *before*
+bash (shell kind); todowrite, todoread (todo kind: the session's todo list, todos.py; no file
+touched). `prepare` validates a call's arguments and the paths it touches *before*
 anything runs, and computes what the user approves: a unified diff for edit and write, the
 command for bash. The prepared call then runs exactly that change (and refuses if the file
 changed in between). Errors come back as text for the model, never as exceptions.
@@ -20,6 +21,7 @@ from northcode.agent.edit_journal import EditJournal, FileChange, file_text
 from northcode.agent.hunks import Hunk, apply_hunks, diff_hunks
 from northcode.agent.sandbox import Workspace
 from northcode.agent.shell import run_shell
+from northcode.agent.todos import PRIORITIES, STATUSES, TodoList, parse_todos
 
 DEFAULT_READ_LIMIT = 2000  # lines
 MAX_READ_LINE_CHARS = 2000
@@ -67,9 +69,21 @@ TOOL_SCHEMAS: list[dict] = [
         "workdir": {"type": "string", "description": "folder to run in (default: the workspace root)"},
         "description": {"type": "string", "description": "what the command does, in a few words"},
     }, ["command"]),
+    _fn("todowrite", "Replace the session's todo list (send every item, with its status): plan a multi-step task "
+        "and keep its progress up to date, one item in_progress at a time.", {
+        "todos": {"type": "array", "description": "the whole updated list", "items": {
+            "type": "object", "additionalProperties": False, "required": ["content", "status", "priority", "id"],
+            "properties": {
+                "content": {"type": "string", "description": "what to do, briefly"},
+                "status": {"type": "string", "enum": list(STATUSES)},
+                "priority": {"type": "string", "enum": list(PRIORITIES)},
+                "id": {"type": "string", "description": "unique among the items"},
+            }}},
+    }, ["todos"]),
+    _fn("todoread", "Read the session's todo list.", {}, []),
 ]
 TOOL_KINDS = {"read": "read", "list": "read", "glob": "read", "grep": "read", "edit": "edit", "write": "edit",
-              "bash": "shell"}
+              "bash": "shell", "todowrite": "todo", "todoread": "todo"}
 
 
 @dataclass
@@ -77,7 +91,7 @@ class PreparedCall:
     """A validated tool call, ready to be approved and run."""
 
     name: str
-    kind: str  # "read" | "edit" | "shell": what approvals decide on
+    kind: str  # "read" | "edit" | "shell" | "todo": what approvals decide on
     title: str  # one line for the user: "edit src/app.py", "bash: pytest -q"
     preview: str  # unified diff (edit kind), the command (shell kind), "" for reads
     execute: Callable[[], Awaitable[str]]
@@ -87,12 +101,14 @@ class PreparedCall:
 
 class ToolBox:
     """The tools bound to one workspace; `spill_dir` keeps the full output of long shell commands; `journal`
-    records every file the edit and write tools change (what /undo takes back)."""
+    records every file the edit and write tools change (what /undo takes back); `todos` is the session's todo list
+    (the agent sets it for its conversation)."""
 
     def __init__(self, workspace: Workspace, spill_dir: Path) -> None:
         self.workspace = workspace
         self.spill_dir = spill_dir
         self.journal = EditJournal()
+        self.todos = TodoList()
 
     def prepare(self, name: str, arguments: str | dict) -> PreparedCall:
         args = _parse_arguments(name, arguments)
@@ -216,6 +232,23 @@ class ToolBox:
                     f"{name}:\n" + "".join(hunks[idx].text for idx in left_out))
 
         return PreparedCall(name, "edit", f"{name} {rel}", diff, execute, hunks, execute_hunks if hunks else None)
+
+    # --- the todo list ---
+
+    def _prepare_todowrite(self, args: dict) -> PreparedCall:
+        todos = parse_todos(args.get("todos"))
+
+        async def execute() -> str:
+            self.todos.items = todos
+            return self.todos.summary()
+
+        return PreparedCall("todowrite", "todo", f"todowrite: {len(todos)} todos", "", execute)
+
+    def _prepare_todoread(self, args: dict) -> PreparedCall:
+        async def execute() -> str:
+            return self.todos.summary()
+
+        return PreparedCall("todoread", "todo", "todoread", "", execute)
 
     # --- shell ---
 

@@ -24,8 +24,9 @@ EXIT_OK, EXIT_ENDPOINT, EXIT_STEP_LIMIT, EXIT_TRUNCATED_CALL = 0, 1, 3, 4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-p", "--prompt", required=True, help="the task (use - to read it from stdin)")
-    parser.add_argument("--mode", default="auto-edit", choices=["ask", "auto-edit", "full-auto"],
-                        help="ask: only reads run; auto-edit (default): reads and edits; full-auto: also shell commands")
+    parser.add_argument("--mode", default="auto-edit", choices=["plan", "ask", "auto-edit", "full-auto"],
+                        help="plan: read-only, edits and commands refused; ask: only reads run; auto-edit (default): "
+                             "reads and edits; full-auto: also shell commands")
     parser.add_argument("--json", action="store_true", help="print a JSON transcript instead of the answer "
                                                             "(--output-format json)")
     parser.add_argument("--output-format", choices=["text", "json", "stream-json"],
@@ -75,6 +76,8 @@ def _on_event(event) -> None:
     elif isinstance(event, ToolEvent):
         if event.output is None:
             _progress(f"→ {event.prepared.title if event.prepared else event.call.name}")
+        elif event.ok and event.prepared is not None and event.prepared.name == "todowrite":  # the whole new list
+            _progress("\n".join(f"  {line}" for line in event.output.splitlines()))
         else:
             first_line = event.output.strip().splitlines()[0][:120] if event.output.strip() else ""
             _progress(f"  {'✓' if event.ok else '✗'} {first_line}")

@@ -18,8 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="checkpoint folder for the server northcode starts "
                                                    "(default: the demo checkpoint, random weights)")
     parser.add_argument("--endpoint", help="any OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
-    parser.add_argument("--mode", default="ask", choices=["ask", "auto-edit", "full-auto"],
-                        help="ask (default): reads run, edits and commands ask; auto-edit: edits run too; "
+    parser.add_argument("--mode", default="ask", choices=["plan", "ask", "auto-edit", "full-auto"],
+                        help="plan: read-only, edits and commands refused; ask (default): reads run, edits and "
+                             "commands ask; auto-edit: edits run too; "
                              "full-auto: everything runs")
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("-r", "--resume", metavar="SESSION", help="resume a saved session by id")

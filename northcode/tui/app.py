@@ -5,7 +5,8 @@ turn per prompt in an exclusive worker. Esc cancels that worker: the HTTP stream
 so the server aborts the request, and a running shell command's process group is killed.
 Messages are saved to the session store as they are appended (a session row is created with
 the first prompt). The status line shows model, mode, live tokens/s, TTFT, context, cache, KV
-(agent/session_stats.py computes and words them; agent/served_model.py describes the model).
+(agent/session_stats.py computes and words them; agent/served_model.py describes the model). The
+todo panel above the prompt shows the model's todo list (todowrite) as it changes.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from northcode.agent.tools import PreparedCall, ToolBox
 from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
 from northcode.tui.slash import SlashCommands
 from northcode.tui.file_picker import FilePicker
-from northcode.tui.widgets import AssistantMessage, Notice, PromptInput, StatusLine, ToolCallView, UserMessage
+from northcode.tui.widgets import (AssistantMessage, Notice, PromptInput, StatusLine, TodoPanel, ToolCallView,
+                                   UserMessage)
 
 log = logging.getLogger(__name__)
 RANDOM_WEIGHTS_NOTICE = ("This model's weights are random (a demo or synthetic checkpoint): its answers are noise, "
@@ -90,6 +92,7 @@ class NorthcodeApp(App):
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="chat")
         yield FilePicker(self.workspace, id="picker")
+        yield TodoPanel("", markup=False, id="todos")
         yield PromptInput(id="prompt")
         yield StatusLine(id="status")
         yield Footer()
@@ -181,6 +184,7 @@ class NorthcodeApp(App):
                            on_retract=recorder.retract, on_event=self.on_agent_event,
                            request_params=self.request_params, on_compacted=recorder.restart,
                            context_window=self.served.context_window if self.served else None)
+        self.query_one(TodoPanel).show_todos(self.toolbox.todos)  # the resumed conversation's list, or none
 
     async def resume(self, session_id: str) -> None:
         try:
@@ -384,6 +388,8 @@ class NorthcodeApp(App):
             if view is None:  # a call that never announced its start
                 view = await self.add_tool_view(event.call.id, ToolCallView(event.call.name))
             view.show_result(event.output, event.ok)
+            if event.prepared is not None and event.prepared.kind == "todo":
+                self.query_one(TodoPanel).show_todos(self.toolbox.todos)
             self.status.show(busy="generating…")
 
     async def end_text(self) -> None:

@@ -205,7 +205,7 @@ HELP_TEXT = """\
 | Up / Down | previous / next prompt (on the first / last line) |
 | Esc, Ctrl+C | stop the answer now (the server stops generating); Esc also denies an approval |
 | Ctrl+C (idle) | copy the selection, else clear the prompt (Up brings it back); on an empty prompt, twice: quit |
-| Shift+Tab | next mode: ask → auto-edit → full-auto |
+| Shift+Tab | next mode: plan → ask → auto-edit → full-auto → plan |
 | Ctrl+N | new session |
 | Ctrl+S | sessions |
 | Ctrl+P | command palette: the app's commands, searchable |
@@ -220,7 +220,8 @@ Custom commands: `NAME.md` in `.northcode/commands/` (or `.claude/commands/`, `.
 or in `commands/` of northcode's data folder makes `/NAME`; its text is the prompt, `$ARGUMENTS`
 what follows the name.
 
-**Modes**: *ask* runs reads and asks before edits and commands; *auto-edit* also
+**Modes**: *plan* is read-only: reads and the todo list run, edits and commands are
+refused (the model plans); *ask* runs reads and asks before edits and commands; *auto-edit* also
 makes edits without asking; *full-auto* runs everything but commands that reach beyond the
 workspace (sudo, `rm -rf /…`, force pushes). Paths never leave the workspace, and `.git` is
 never written, in any mode.

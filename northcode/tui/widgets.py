@@ -17,6 +17,7 @@ from textual.message import Message
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 
 from northcode.agent.session_stats import SessionStats
+from northcode.agent.todos import TodoList
 
 
 MENTION_BEFORE_CURSOR = re.compile(r"(?<![\w@])@([\w./\-]*)$")  # an @path being typed, up to the cursor
@@ -227,3 +228,11 @@ class ToolCallView(Vertical):
             lines = lines[: self.MAX_OUTPUT_LINES // 2] + [f"… {cut} more lines …"] + lines[-self.MAX_OUTPUT_LINES // 2 :]
         self.result.update("\n".join(lines))
         self.set_class(not ok, "failed")
+
+
+class TodoPanel(Static):
+    """The session's todo list above the prompt, as the model last wrote it; hidden while the list is empty."""
+
+    def show_todos(self, todos: TodoList) -> None:
+        self.update(todos.summary() if todos.items else "")
+        self.display = bool(todos.items)
