@@ -353,6 +353,14 @@ def env_api_key() -> str | None:
     return os.environ.get("NORTHCODE_API_KEY") or None
 
 
+def env_allow_private_fetch() -> bool:
+    """NORTHCODE_ALLOW_PRIVATE_FETCH=1: the agent's webfetch may reach loopback, private and link-local addresses."""
+    chosen = _env("NORTHCODE_ALLOW_PRIVATE_FETCH")
+    if chosen and chosen not in ("0", "1"):
+        raise ValueError(f"NORTHCODE_ALLOW_PRIVATE_FETCH={chosen!r}: must be 0 or 1")
+    return chosen == "1"
+
+
 def env_report_path() -> str | None:
     """NC_REPORT: a JSON-lines file the whole-step checks append their records to (lab/device_megakernel.sh)."""
     return _env("NC_REPORT") or None

@@ -5,6 +5,7 @@
 (role chunk, reasoning/content fragments, tool-call deltas with index/id/name first and
 argument fragments after, finish_reason, a usage chunk with `choices: []`, `[DONE]`). It
 records every request body, and whether a stream was cut by the client (disconnects).
+`RecordingAsker` answers the agent's approval questions from a script and keeps the calls it was asked about.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 MODEL_ID = "scripted-model"
+
+
+class RecordingAsker:
+    def __init__(self, *decisions) -> None:  # approvals.Decision values, in the order they are asked
+        self.decisions = list(decisions)
+        self.asked = []
+
+    async def __call__(self, call):
+        self.asked.append(call)
+        return self.decisions.pop(0)
 
 
 def text_reply(content: str, reasoning: str = "", delay_s: float = 0.0, cached_tokens: int = 0) -> dict:

@@ -6,7 +6,8 @@ import asyncio
 import json
 
 import pytest
-from agent_scripted_endpoint import ScriptedEndpoint, error_reply, text_reply, tool_reply
+from agent_scripted_endpoint import (RecordingAsker, ScriptedEndpoint, error_reply, text_reply,
+                                     tool_reply)
 
 from northcode.agent.approvals import Approvals, Decision, Mode
 from northcode.agent.client import ChatClient, Delta, EndpointError
@@ -25,16 +26,6 @@ def workspace(tmp_path):
     (root / "src" / "app.py").write_text(APP_PY)
     (root / "README.md").write_text("# demo\nRun src/app.py to greet.\n")
     return Workspace(root)
-
-
-class RecordingAsker:
-    def __init__(self, *decisions: Decision) -> None:
-        self.decisions = list(decisions)
-        self.asked = []
-
-    async def __call__(self, call):
-        self.asked.append(call)
-        return self.decisions.pop(0)
 
 
 def make_agent(endpoint, workspace, tmp_path, mode=Mode.ASK, asker=None, **kwargs):
@@ -322,4 +313,4 @@ async def test_the_todo_list_belongs_to_the_conversation(workspace, tmp_path):
         await fresh.client.aclose()
     listed = "1 todos (1 in progress):\n[~] step one (id a, medium)"
     assert tool_outputs(endpoint, 1) == [listed, listed] and tool_outputs(endpoint, 3)[-1] == listed
-    assert fresh.toolbox.todos.items == [] and endpoint.requests[0]["tools"][-2]["function"]["name"] == "todowrite"
+    assert fresh.toolbox.todos.items == [] and endpoint.requests[0]["tools"][7]["function"]["name"] == "todowrite"

@@ -27,7 +27,9 @@ async def call(tools, name, **args) -> str:
 
 def test_schemas_use_opencode_names():
     names = [t["function"]["name"] for t in TOOL_SCHEMAS]
-    assert names == ["read", "list", "glob", "grep", "edit", "write", "bash", "todowrite", "todoread"]
+    assert names == ["read", "list", "glob", "grep", "edit", "write", "bash", "todowrite", "todoread", "webfetch"]
+    webfetch = TOOL_SCHEMAS[9]["function"]["parameters"]
+    assert webfetch["required"] == ["url"] and webfetch["properties"]["format"]["enum"] == ["markdown", "text", "html"]
     edit = TOOL_SCHEMAS[4]["function"]["parameters"]
     assert edit["required"] == ["filePath", "oldString", "newString"] and "replaceAll" in edit["properties"]
     todo = TOOL_SCHEMAS[7]["function"]["parameters"]["properties"]["todos"]["items"]

@@ -2,10 +2,11 @@
 
 Modes: `plan` (read-only: reads run; edits and shell commands are refused without a question), `ask`
 (reads run; edits and shell commands ask), `auto-edit` (reads and edits run; shell asks), `full-auto`
-(everything runs). The todo list touches no file and runs in every mode. The answer to a question is
-allow once, allow for this session (every edit from then on; for shell, that exact command again) or deny, with or without a
-note that tells the model what to do instead; for an edit, also some of its hunks only. With no one to ask (headless), a call that needs a
-question is denied with a reason the model can read.
+(everything runs). The todo list touches no file and runs in every mode. webfetch (fetch kind) reads, so plan
+mode asks for it as ask and auto-edit do; full-auto runs it. The answer to a question is allow once, allow for
+this session (every edit from then on; for shell, that exact command again; for a fetch, that URL's host) or
+deny, with or without a note that tells the model what to do instead; for an edit, also some of its hunks only.
+With no one to ask (headless), a call that needs a question is denied with a reason the model can read.
 The sandbox's path checks hold in every mode; approvals never widen them. Shell commands that
 can do damage beyond the workspace (sudo, recursive deletes of absolute, home or parent paths,
 force pushes, disk writes) ask even in full-auto, and are never allowed for the whole session.
@@ -17,6 +18,8 @@ import enum
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+import httpx
 
 from northcode.agent.tools import PreparedCall
 
@@ -71,9 +74,10 @@ class Answer:
 
 
 AUTO_KINDS = {Mode.PLAN: {"read", "todo"}, Mode.ASK: {"read", "todo"}, Mode.AUTO_EDIT: {"read", "todo", "edit"},
-              Mode.FULL_AUTO: {"read", "todo", "edit", "shell"}}
-PLAN_REFUSAL = ("refused without asking: the session is in plan mode, which is read-only (read, list, glob, grep and "
-                "the todo list only). Finish the plan and present it; the user leaves plan mode to let you {kind}")
+              Mode.FULL_AUTO: {"read", "todo", "edit", "shell", "fetch"}}
+PLAN_KINDS = {"read", "todo", "fetch"}  # fetching reads: plan mode asks for it, as ask mode does
+PLAN_REFUSAL = ("refused without asking: the session is in plan mode, which is read-only (read, list, glob, grep, "
+                "the todo list and, with the user's approval, webfetch). Finish the plan and present it; the user leaves plan mode to let you {kind}")
 PLAN_VERBS = {"edit": "edit files", "shell": "run commands"}
 Asker = Callable[[PreparedCall], Awaitable[Decision | Answer]]
 
@@ -84,16 +88,18 @@ class Approvals:
     def __init__(self, mode: Mode, ask: Asker | None) -> None:
         self.mode = mode
         self.ask = ask  # None: headless, questions are denied
-        self.session_allowed: set[tuple[str, str]] = set()  # ("edit", "") or ("shell", command)
+        self.session_allowed: set[tuple[str, str]] = set()  # ("edit", ""), ("shell", command) or ("fetch", host)
 
     def _session_key(self, call: PreparedCall) -> tuple[str, str]:
+        if call.kind == "fetch":
+            return (call.kind, httpx.URL(call.preview).host)
         return (call.kind, call.preview if call.kind == "shell" else "")
 
     async def decide(self, call: PreparedCall) -> tuple[bool, str, frozenset[int] | None]:
         """Whether `call` may run, why (the reason goes to the model when it is denied), and the hunks of an
         edit the user took (None: the whole call)."""
         dangerous = call.kind == "shell" and is_dangerous(call.preview)
-        if self.mode is Mode.PLAN and call.kind not in AUTO_KINDS[Mode.PLAN]:  # before the session's approvals
+        if self.mode is Mode.PLAN and call.kind not in PLAN_KINDS:  # before the session's approvals
             return False, PLAN_REFUSAL.format(kind=PLAN_VERBS.get(call.kind, f"run {call.kind} calls")), None
         if call.kind in AUTO_KINDS[self.mode] and not dangerous:
             return True, f"allowed by mode {self.mode.value}", None

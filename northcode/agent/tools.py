@@ -2,10 +2,10 @@
 
 read, list, glob, grep (read-only); edit (exact string replacement), write (edit kind);
 bash (shell kind); todowrite, todoread (todo kind: the session's todo list, todos.py; no file
-touched). `prepare` validates a call's arguments and the paths it touches *before*
-anything runs, and computes what the user approves: a unified diff for edit and write, the
-command for bash. The prepared call then runs exactly that change (and refuses if the file
-changed in between). Errors come back as text for the model, never as exceptions.
+touched); webfetch (fetch kind: one URL, web_fetch.py). `prepare` validates a call's arguments and
+the paths it touches *before* anything runs, and computes what the user approves: a unified diff
+for edit and write, the command for bash, the URL for webfetch. The prepared call then runs exactly
+that change (and refuses if the file changed in between). Errors come back as text for the model, never as exceptions.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from northcode.agent import file_search
+import httpx
+
+from northcode import config
+from northcode.agent import file_search, web_fetch
 from northcode.agent.edit_journal import EditJournal, FileChange, file_text
 from northcode.agent.hunks import Hunk, apply_hunks, diff_hunks
 from northcode.agent.sandbox import Workspace
@@ -81,9 +84,15 @@ TOOL_SCHEMAS: list[dict] = [
             }}},
     }, ["todos"]),
     _fn("todoread", "Read the session's todo list.", {}, []),
+    _fn("webfetch", "Fetch a URL (http or https) and return its content; HTML as Markdown by default.", {
+        "url": {"type": "string", "description": "The URL to fetch content from"},
+        "format": {"type": "string", "enum": list(web_fetch.FORMATS),
+                   "description": "The format to return the content in (markdown, text, or html; default markdown)"},
+        "timeout": {"type": "integer", "description": f"Optional timeout in seconds (max {web_fetch.MAX_TIMEOUT_S})"},
+    }, ["url"]),
 ]
 TOOL_KINDS = {"read": "read", "list": "read", "glob": "read", "grep": "read", "edit": "edit", "write": "edit",
-              "bash": "shell", "todowrite": "todo", "todoread": "todo"}
+              "bash": "shell", "todowrite": "todo", "todoread": "todo", "webfetch": "fetch"}
 
 
 @dataclass
@@ -91,9 +100,9 @@ class PreparedCall:
     """A validated tool call, ready to be approved and run."""
 
     name: str
-    kind: str  # "read" | "edit" | "shell" | "todo": what approvals decide on
+    kind: str  # "read" | "edit" | "shell" | "todo" | "fetch": what approvals decide on
     title: str  # one line for the user: "edit src/app.py", "bash: pytest -q"
-    preview: str  # unified diff (edit kind), the command (shell kind), "" for reads
+    preview: str  # unified diff (edit kind), the command (shell kind), the URL (fetch kind), "" for reads
     execute: Callable[[], Awaitable[str]]
     hunks: list[Hunk] = field(default_factory=list)  # an edit of an existing file: its diff's hunks
     execute_hunks: Callable[[frozenset[int]], Awaitable[str]] | None = None  # the edit with only these hunks
@@ -102,13 +111,15 @@ class PreparedCall:
 class ToolBox:
     """The tools bound to one workspace; `spill_dir` keeps the full output of long shell commands; `journal`
     records every file the edit and write tools change (what /undo takes back); `todos` is the session's todo list
-    (the agent sets it for its conversation)."""
+    (the agent sets it for its conversation); `allow_private_fetch` lets webfetch reach loopback and private
+    addresses (NORTHCODE_ALLOW_PRIVATE_FETCH=1)."""
 
     def __init__(self, workspace: Workspace, spill_dir: Path) -> None:
         self.workspace = workspace
         self.spill_dir = spill_dir
         self.journal = EditJournal()
         self.todos = TodoList()
+        self.allow_private_fetch = config.env_allow_private_fetch()
 
     def prepare(self, name: str, arguments: str | dict) -> PreparedCall:
         args = _parse_arguments(name, arguments)
@@ -249,6 +260,27 @@ class ToolBox:
             return self.todos.summary()
 
         return PreparedCall("todoread", "todo", "todoread", "", execute)
+
+    # --- the web ---
+
+    def _prepare_webfetch(self, args: dict) -> PreparedCall:
+        url = _str(args, "url").strip()
+        output_format = _str(args, "format", "markdown")
+        if output_format not in web_fetch.FORMATS:
+            raise ToolError(f"argument 'format': expected one of {', '.join(web_fetch.FORMATS)}")
+        timeout_s = min(_int(args, "timeout", web_fetch.DEFAULT_TIMEOUT_S, minimum=1), web_fetch.MAX_TIMEOUT_S)
+        try:
+            web_fetch.check_url(httpx.URL(url))
+        except httpx.InvalidURL as err:
+            raise ToolError(f"{url!r}: not a valid URL ({err})") from None
+
+        async def execute() -> str:
+            try:
+                return await web_fetch.fetch(url, output_format, timeout_s, self.allow_private_fetch)
+            except web_fetch.FetchError as err:
+                raise ToolError(str(err)) from None
+
+        return PreparedCall("webfetch", "fetch", f"webfetch: {url}", url, execute)
 
     # --- shell ---
 
