@@ -212,7 +212,7 @@ def head_step(h: torch.Tensor, lm_head: torch.Tensor, spec: StepSpec) -> torch.T
 
 # --- the driver ---
 
-GEMV_MAX_BATCH = 2  # on a GPU, the largest bucket with inductor's GEMVs (docstring above; lab/notebook.md run 105)
+GEMV_MAX_BATCH = 2  # on a GPU, the largest batch bucket compiled with inductor's GEMVs (why: the docstring above)
 RECOMPILE_LIMIT = 512  # graphs per compiled function: kinds x buckets x backends of other shapes (tests)
 CHECK_LAYER_COS_MIN = 0.9  # warm-up check, per layer: rounding gives ~0.9999, a swapped expert ~0.97, a bug ~0
 CHECK_LOGITS_COS_MIN = 0.99  # and the LM head on the same input
