@@ -48,7 +48,7 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef RG
 #define RG 4
 #endif
-// ATTN2: attention's split partial summed warp by warp without shared atomics, and S = q K^T in two mma chains.
+// ATTN2: attention's split partial summed warp by warp without shared atomics (S = q K^T is in two mma chains always).
 #ifndef ATTN2
 #define ATTN2 1
 #endif
@@ -1025,6 +1025,31 @@ __device__ void load_q(const Params& p, Smem& s, const Task& t, unsigned (&qa)[H
   }
 }
 
+// Page pg's K stage: S = q K^T for the warp's 8 tokens (in two mma chains), the stage released, and the lane's two
+// scores (log2 domain, scaled; -inf outside [lo_tok, len)).
+__device__ __forceinline__ void page_scores(Smem& s, Stream& st, const unsigned (&qa)[HD / 16][2], int pg, int len,
+                                            int lo_tok, float& s0, float& s1) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - kCB / 32, c = lane % 4;
+  const float scale = 1.4426950408889634f * rsqrtf((float)HD);
+  const int k = st.k;
+  mbar_wait(&s.full[k], st.phase);
+  const unsigned char* kpage = sm_ring(s) + (size_t)k * kStageBytes;
+  float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < HD / 16; j += 2) {
+    unsigned kb[4];
+    ldsm_x4(kb, kv_addr(kpage, 8 * warp + lane % 8, 16 * j + 8 * (lane / 8)));
+    mma(sc, qa[j][0], qa[j][1], kb[0], kb[1]);
+    mma(sc2, qa[j + 1][0], qa[j + 1][1], kb[2], kb[3]);
+  }
+  __syncwarp();
+  if (lane == 0) mbar_arrive(&s.empty[k]);
+  st.advance(s.stages);
+  const int tok = pg * PAGE + 8 * warp + 2 * c;
+  s0 = (tok < len && tok >= lo_tok) ? (sc[0] + sc2[0]) * scale : -INFINITY;
+  s1 = (tok + 1 < len && tok + 1 >= lo_tok) ? (sc[1] + sc2[1]) * scale : -INFINITY;
+}
+
 __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t) {
   const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   wait_for(p, t.wait, t.target);
@@ -1033,30 +1058,10 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
   int first, last;
   split_pages(p, t, first, last);
   const int len = p.context + 1, lo_tok = t.a[4] ? max(0, len - WINDOW) : 0;
-  const float scale = 1.4426950408889634f * rsqrtf((float)HD);
   float m = -INFINITY, l = 0.f, o[HD / 8][4] = {};
   for (int pg = first; pg < last; ++pg) {
-    int k = st.k;
-    mbar_wait(&s.full[k], st.phase);
-    const unsigned char* kpage = sm_ring(s) + (size_t)k * kStageBytes;
-    float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc2[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < HD / 16; j += 2) {  // S = q K^T for the warp's 8 tokens (two chains when ATTN2)
-      unsigned kb[4];
-      ldsm_x4(kb, kv_addr(kpage, 8 * warp + lane % 8, 16 * j + 8 * (lane / 8)));
-      mma(sc, qa[j][0], qa[j][1], kb[0], kb[1]);
-      mma(ATTN2 ? sc2 : sc, qa[j + 1][0], qa[j + 1][1], kb[2], kb[3]);
-    }
-    if (ATTN2) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[e] += sc2[e];
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&s.empty[k]);
-    st.advance(s.stages);
-    const int tok = pg * PAGE + 8 * warp + 2 * c;
-    const float s0 = (tok < len && tok >= lo_tok) ? sc[0] * scale : -INFINITY;
-    const float s1 = (tok + 1 < len && tok + 1 >= lo_tok) ? sc[1] * scale : -INFINITY;
+    float s0, s1;
+    page_scores(s, st, qa, pg, len, lo_tok, s0, s1);
     float mx = fmaxf(s0, s1);
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -1066,7 +1071,7 @@ __device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t
     l = l * corr + p0 + p1;
     m = m_new;
     const unsigned pa = pack_bf16(p0, p1);
-    k = st.k;
+    const int k = st.k;
     mbar_wait(&s.full[k], st.phase);
     const unsigned char* vpage = sm_ring(s) + (size_t)k * kStageBytes;
 #pragma unroll
@@ -1147,29 +1152,13 @@ __device__ void consume_attn6(const Params& p, Smem& s, Stream& st, const Task& 
   int first, last;
   split_pages(p, t, first, last);
   const int len = p.context + 1, lo_tok = t.a[4] ? max(0, len - WINDOW) : 0;
-  const float scale = 1.4426950408889634f * rsqrtf((float)HD);
   float m = -INFINITY, l = 0.f, o[2][4] = {};
   for (int pg = first; pg < last; ++pg) {
     unsigned char* buf = scratch + ((pg - first) & 1) * (GROUP * kPS * 2 + GROUP * kConsumers * 4);
     bf16* P = reinterpret_cast<bf16*>(buf);                         // [head][kPS]
     float* pmax = reinterpret_cast<float*>(buf + GROUP * kPS * 2);   // [warp][head]
-    int k = st.k;
-    mbar_wait(&s.full[k], st.phase);
-    const unsigned char* kpage = sm_ring(s) + (size_t)k * kStageBytes;
-    float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc2[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < HD / 16; j += 2) {  // S = q K^T for the warp's 8 tokens, in two chains
-      unsigned kb[4];
-      ldsm_x4(kb, kv_addr(kpage, 8 * warp + lane % 8, 16 * j + 8 * (lane / 8)));
-      mma(sc, qa[j][0], qa[j][1], kb[0], kb[1]);
-      mma(sc2, qa[j + 1][0], qa[j + 1][1], kb[2], kb[3]);
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&s.empty[k]);
-    st.advance(s.stages);
-    const int tok = pg * PAGE + 8 * warp + 2 * c;
-    const float s0 = (tok < len && tok >= lo_tok) ? (sc[0] + sc2[0]) * scale : -INFINITY;
-    const float s1 = (tok + 1 < len && tok + 1 >= lo_tok) ? (sc[1] + sc2[1]) * scale : -INFINITY;
+    float s0, s1;
+    page_scores(s, st, qa, pg, len, lo_tok, s0, s1);
     float mx = fmaxf(s0, s1);
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -1189,7 +1178,7 @@ __device__ void consume_attn6(const Params& p, Smem& s, Stream& st, const Task& 
     for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[nb][e] *= corr;
-    k = st.k;
+    const int k = st.k;
     mbar_wait(&s.full[k], st.phase);
     const unsigned char* vpage = sm_ring(s) + (size_t)k * kStageBytes;
 #pragma unroll
