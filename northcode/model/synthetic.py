@@ -199,6 +199,15 @@ def spread_to_real_ids(tokenizer, vocab_size: int):
     return Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
 
 
+def preset_tokenizer(preset: str):
+    """The tokenizer (tokenizers.Tokenizer) of a preset's checkpoint: the trained one, laid over the preset's
+    real ids unless tiny (north-mini-code's 262144: what a grammar library builds its masks over)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset {preset!r}: must be one of {', '.join(PRESETS)}")
+    tokenizer = train_tokenizer()
+    return tokenizer if preset == "tiny" else spread_to_real_ids(tokenizer, PRESETS[preset]["vocab_size"])
+
+
 def tokenizer_config(model_max_length: int, chat_template: str | None) -> dict:
     """tokenizer_config.json in the format of Cohere's checkpoints (fast tokenizer, BOS added)."""
     config = {
@@ -226,9 +235,7 @@ def create_checkpoint(preset: str, out_dir: str | os.PathLike, seed: int = 0, pr
     stale_names = ("config.json", "model.safetensors.index.json", "chat_template.jinja")
     for stale in [*(out_dir / name for name in stale_names), *out_dir.glob("*.safetensors")]:
         stale.unlink(missing_ok=True)  # an older checkpoint's files must not mix with the new ones
-    tokenizer = train_tokenizer()
-    if preset != "tiny":
-        tokenizer = spread_to_real_ids(tokenizer, PRESETS[preset]["vocab_size"])
+    tokenizer = preset_tokenizer(preset)
     device = "cpu" if preset == "tiny" or not torch.cuda.is_available() else "cuda"
     marker = {"preset": preset, "seed": seed, "note": "random weights"}
     if device != "cpu":
