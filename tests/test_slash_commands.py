@@ -17,7 +17,7 @@ def test_parse_splits_name_and_argument():
 
 def test_an_unknown_command_lists_the_known_ones():
     with pytest.raises(ValueError, match="^unknown command /frob; the commands are /new /sessions /model /mode "
-                                         "/undo /compact /clear /help /quit$"):
+                                         "/undo /compact /mcp /clear /help /quit$"):
         parse_command("/frob now")
 
 

@@ -3,11 +3,12 @@
 Modes: `plan` (read-only: reads run; edits and shell commands are refused without a question), `ask`
 (reads run; edits and shell commands ask), `auto-edit` (reads and edits run; shell asks), `full-auto`
 (everything runs). The todo list touches no file and runs in every mode. webfetch (fetch kind) reads, so plan
-mode asks for it as ask and auto-edit do; full-auto runs it. The answer to a question is allow once, allow for
-this session (every edit from then on; for shell, that exact command again; for a fetch, that URL's host) or
-deny, with or without a note that tells the model what to do instead; for an edit, also some of its hunks only.
-With no one to ask (headless), a call that needs a question is denied with a reason the model can read.
-The sandbox's path checks hold in every mode; approvals never widen them. Shell commands that
+mode asks for it as ask and auto-edit do; full-auto runs it. An MCP server's tool (mcp kind) asks in ask and
+auto-edit and runs in full-auto; plan mode refuses it, or asks when its server marks it readOnlyHint. The answer to
+a question is allow once, allow for this session (every edit from then on; for shell, that exact command again; for
+a fetch, that URL's host; for an MCP tool, that tool) or deny, with or without a note that tells the model what to
+do instead; for an edit, also some of its hunks only. With no one to ask (headless), a call that needs a question
+is denied with a reason the model can read. The sandbox's path checks hold in every mode; approvals never widen them. Shell commands that
 can do damage beyond the workspace (sudo, recursive deletes of absolute, home or parent paths,
 force pushes, disk writes) ask even in full-auto, and are never allowed for the whole session.
 """
@@ -74,11 +75,11 @@ class Answer:
 
 
 AUTO_KINDS = {Mode.PLAN: {"read", "todo"}, Mode.ASK: {"read", "todo"}, Mode.AUTO_EDIT: {"read", "todo", "edit"},
-              Mode.FULL_AUTO: {"read", "todo", "edit", "shell", "fetch"}}
+              Mode.FULL_AUTO: {"read", "todo", "edit", "shell", "fetch", "mcp"}}
 PLAN_KINDS = {"read", "todo", "fetch"}  # fetching reads: plan mode asks for it, as ask mode does
 PLAN_REFUSAL = ("refused without asking: the session is in plan mode, which is read-only (read, list, glob, grep, "
                 "the todo list and, with the user's approval, webfetch). Finish the plan and present it; the user leaves plan mode to let you {kind}")
-PLAN_VERBS = {"edit": "edit files", "shell": "run commands"}
+PLAN_VERBS = {"edit": "edit files", "shell": "run commands", "mcp": "call MCP tools not marked read-only"}
 Asker = Callable[[PreparedCall], Awaitable[Decision | Answer]]
 
 
@@ -88,18 +89,22 @@ class Approvals:
     def __init__(self, mode: Mode, ask: Asker | None) -> None:
         self.mode = mode
         self.ask = ask  # None: headless, questions are denied
-        self.session_allowed: set[tuple[str, str]] = set()  # ("edit", ""), ("shell", command) or ("fetch", host)
+        # ("edit", ""), ("shell", command), ("fetch", host) or ("mcp", mcp__<server>__<tool>)
+        self.session_allowed: set[tuple[str, str]] = set()
 
     def _session_key(self, call: PreparedCall) -> tuple[str, str]:
         if call.kind == "fetch":
             return (call.kind, httpx.URL(call.preview).host)
+        if call.kind == "mcp":
+            return (call.kind, call.name)
         return (call.kind, call.preview if call.kind == "shell" else "")
 
     async def decide(self, call: PreparedCall) -> tuple[bool, str, frozenset[int] | None]:
         """Whether `call` may run, why (the reason goes to the model when it is denied), and the hunks of an
         edit the user took (None: the whole call)."""
         dangerous = call.kind == "shell" and is_dangerous(call.preview)
-        if self.mode is Mode.PLAN and call.kind not in PLAN_KINDS:  # before the session's approvals
+        planned = call.kind in PLAN_KINDS or (call.kind == "mcp" and call.read_only)
+        if self.mode is Mode.PLAN and not planned:  # before the session's approvals
             return False, PLAN_REFUSAL.format(kind=PLAN_VERBS.get(call.kind, f"run {call.kind} calls")), None
         if call.kind in AUTO_KINDS[self.mode] and not dangerous:
             return True, f"allowed by mode {self.mode.value}", None

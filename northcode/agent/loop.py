@@ -30,7 +30,7 @@ from northcode.agent.compaction import CompactError, compacted, first_request, s
 from northcode.agent.instructions import find_instructions, instructions_prompt
 from northcode.agent.sessions import session_title
 from northcode.agent.todos import TodoList
-from northcode.agent.tools import TOOL_SCHEMAS, PreparedCall, ToolBox, ToolError
+from northcode.agent.tools import PreparedCall, ToolBox, ToolError
 
 DEFAULT_MAX_STEPS = 25
 AUTO_COMPACT_SHARE = 0.85  # of the context window: a request estimated past it is preceded by a compaction
@@ -233,7 +233,7 @@ class Agent:
             await self._emit(ToolEvent(call, None, output, ok=False))
 
     async def _model_step(self) -> Completion:
-        tools = TOOL_SCHEMAS if self.use_tools else None
+        tools = self.toolbox.schemas() if self.use_tools else None
         partial = Completion()
         try:
             async for event in self.client.stream_chat(self.messages, tools, **self.request_params):
@@ -289,7 +289,7 @@ class Agent:
         await self._emit(started)
         params = {k: v for k, v in self.request_params.items() if k != "tool_choice"}  # a forced call is no summary
         try:
-            summary, left_out = await summarise(self.client, self.messages, TOOL_SCHEMAS if self.use_tools else None,
+            summary, left_out = await summarise(self.client, self.messages, self.toolbox.schemas() if self.use_tools else None,
                                                 **params)
         except (CompactError, EndpointError) as err:
             await self._emit(replace(started, error=str(err)))

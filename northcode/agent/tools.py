@@ -2,7 +2,8 @@
 
 read, list, glob, grep (read-only); edit (exact string replacement), write (edit kind);
 bash (shell kind); todowrite, todoread (todo kind: the session's todo list, todos.py; no file
-touched); webfetch (fetch kind: one URL, web_fetch.py). `prepare` validates a call's arguments and
+touched); webfetch (fetch kind: one URL, web_fetch.py); mcp__<server>__<tool> (mcp kind: the MCP servers'
+tools, mcp_servers.py, offered while their server is ready). `prepare` validates a call's arguments and
 the paths it touches *before* anything runs, and computes what the user approves: a unified diff
 for edit and write, the command for bash, the URL for webfetch. The prepared call then runs exactly
 that change (and refuses if the file changed in between). Errors come back as text for the model, never as exceptions.
@@ -22,6 +23,8 @@ from northcode import config
 from northcode.agent import file_search, web_fetch
 from northcode.agent.edit_journal import EditJournal, FileChange, file_text
 from northcode.agent.hunks import Hunk, apply_hunks, diff_hunks
+from northcode.agent.mcp_servers import PREFIX as MCP_PREFIX
+from northcode.agent.mcp_servers import McpCallError, McpServers
 from northcode.agent.sandbox import Workspace
 from northcode.agent.shell import run_shell
 from northcode.agent.todos import PRIORITIES, STATUSES, TodoList, parse_todos
@@ -100,19 +103,22 @@ class PreparedCall:
     """A validated tool call, ready to be approved and run."""
 
     name: str
-    kind: str  # "read" | "edit" | "shell" | "todo" | "fetch": what approvals decide on
+    kind: str  # "read" | "edit" | "shell" | "todo" | "fetch" | "mcp": what approvals decide on
     title: str  # one line for the user: "edit src/app.py", "bash: pytest -q"
-    preview: str  # unified diff (edit kind), the command (shell kind), the URL (fetch kind), "" for reads
+    preview: str  # unified diff (edit kind), the command (shell kind), the URL (fetch kind), the arguments as JSON
+    # (mcp kind), "" for reads
     execute: Callable[[], Awaitable[str]]
     hunks: list[Hunk] = field(default_factory=list)  # an edit of an existing file: its diff's hunks
     execute_hunks: Callable[[frozenset[int]], Awaitable[str]] | None = None  # the edit with only these hunks
+    read_only: bool = False  # an mcp call whose server marks the tool readOnlyHint (plan mode may ask for it)
 
 
 class ToolBox:
     """The tools bound to one workspace; `spill_dir` keeps the full output of long shell commands; `journal`
     records every file the edit and write tools change (what /undo takes back); `todos` is the session's todo list
     (the agent sets it for its conversation); `allow_private_fetch` lets webfetch reach loopback and private
-    addresses (NORTHCODE_ALLOW_PRIVATE_FETCH=1)."""
+    addresses (NORTHCODE_ALLOW_PRIVATE_FETCH=1); `mcp` holds the MCP servers whose tools join the built-in ones
+    (the UI starts them and sets it)."""
 
     def __init__(self, workspace: Workspace, spill_dir: Path) -> None:
         self.workspace = workspace
@@ -120,9 +126,16 @@ class ToolBox:
         self.journal = EditJournal()
         self.todos = TodoList()
         self.allow_private_fetch = config.env_allow_private_fetch()
+        self.mcp: McpServers | None = None
+
+    def schemas(self) -> list[dict]:
+        """The tools for the next request: the built-in ones, then those of the MCP servers ready now."""
+        return TOOL_SCHEMAS + (self.mcp.schemas() if self.mcp is not None else [])
 
     def prepare(self, name: str, arguments: str | dict) -> PreparedCall:
         args = _parse_arguments(name, arguments)
+        if name.startswith(MCP_PREFIX):
+            return self._prepare_mcp(name, args)
         handler = getattr(self, f"_prepare_{name}", None) if name in TOOL_KINDS else None
         if handler is None:
             raise ToolError(f"unknown tool {name!r}; the tools are: {', '.join(TOOL_KINDS)}")
@@ -281,6 +294,23 @@ class ToolBox:
                 raise ToolError(str(err)) from None
 
         return PreparedCall("webfetch", "fetch", f"webfetch: {url}", url, execute)
+
+    # --- MCP servers' tools ---
+
+    def _prepare_mcp(self, name: str, args: dict) -> PreparedCall:
+        tool = self.mcp.find(name) if self.mcp is not None else None
+        if tool is None:
+            raise ToolError(f"unknown tool {name!r}: no MCP server offers it now (its server may have stopped)")
+        mcp = self.mcp
+
+        async def execute() -> str:
+            try:
+                return await mcp.call(tool, args)
+            except McpCallError as err:
+                raise ToolError(str(err)) from None
+
+        preview = json.dumps(args, indent=2, ensure_ascii=False)
+        return PreparedCall(name, "mcp", f"mcp {tool.server}: {tool.name}", preview, execute, read_only=tool.read_only)
 
     # --- shell ---
 

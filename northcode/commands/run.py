@@ -2,8 +2,11 @@
 
 The final answer goes to stdout (or, with --json, one JSON transcript: the messages, the
 answer, why the run stopped, token usage; with --output-format stream-json, one JSON event per
-line as it happens, agent/stream_json.py); progress (server start-up, tool calls) goes to stderr. No one can answer approval questions here, so calls that would ask are denied and the
-model is told why: pick --mode auto-edit or full-auto to let it edit or run commands.
+line as it happens, agent/stream_json.py); progress (server start-up, the MCP servers, tool calls) goes to stderr.
+The workspace's MCP servers (agent/mcp_servers.py) start beside the model server's connection; one that fails is
+said on stderr and the run goes on without it. No one can answer approval questions here, so calls that would ask
+are denied and the model is told why: pick --mode auto-edit or full-auto to let it edit, or full-auto to run
+commands and MCP tools.
 Exit codes: 0 done, 1 the endpoint failed, 2 bad input, 3 step limit reached, 4 the answer was
 cut off by the token limit inside a tool call (which was not run), 130 interrupted.
 """
@@ -26,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-p", "--prompt", required=True, help="the task (use - to read it from stdin)")
     parser.add_argument("--mode", default="auto-edit", choices=["plan", "ask", "auto-edit", "full-auto"],
                         help="plan: read-only, edits and commands refused; ask: only reads run; auto-edit (default): "
-                             "reads and edits; full-auto: also shell commands")
+                             "reads and edits; full-auto: also shell commands and MCP tools")
     parser.add_argument("--json", action="store_true", help="print a JSON transcript instead of the answer "
                                                             "(--output-format json)")
     parser.add_argument("--output-format", choices=["text", "json", "stream-json"],
@@ -88,6 +91,11 @@ def _on_event(event) -> None:
                   f"{usage.get('completion_tokens')} generated]")
 
 
+def _on_mcp_change(server) -> None:
+    state = f"ready, {len(server.tools)} tools" if server.state == "ready" else f"{server.state}: {server.error}"
+    _progress(f"northcode run: MCP server {server.name}: {state}")
+
+
 def _output_format(args: argparse.Namespace) -> str:
     if args.json and args.output_format not in (None, "json"):
         raise ValueError(f"--json and --output-format {args.output_format}: choose one")
@@ -109,19 +117,39 @@ def _check(args: argparse.Namespace) -> str:
 async def _run(args: argparse.Namespace, prompt: str, stream) -> tuple[int, dict]:
     """The run, and its transcript; `stream` (a StreamJsonWriter, or None) gets every event as it happens."""
     from northcode import paths
-    from northcode.agent.approvals import Approvals, Mode
-    from northcode.agent.client import ChatClient, EndpointError
-    from northcode.agent.loop import Agent
+    from northcode.agent.mcp_servers import workspace_servers
     from northcode.agent.sandbox import Workspace
-    from northcode.agent.served_model import describe_served_model
-    from northcode.agent.server_process import connect
-    from northcode.agent.sessions import SessionRecorder, SessionStore
-    from northcode.agent.tools import TOOL_SCHEMAS, ToolBox
+    from northcode.agent.sessions import SessionStore
+    from northcode.agent.tools import ToolBox
 
     workspace = Workspace(args.path)
     model_dir = paths.resolve_model(args.model) if args.model is not None else None
     store = SessionStore()
     session_id = _session_to_continue(args, store, workspace.root)  # bad ids fail before any server starts
+    mcp, mcp_errors = workspace_servers(workspace.root, _on_mcp_change)
+    for error in mcp_errors:
+        _progress(f"northcode run: MCP configuration: {error}")
+    mcp_started = asyncio.ensure_future(mcp.start())  # beside the model server's connection
+    toolbox = ToolBox(workspace, paths.data_dir() / "tool-output")
+    toolbox.mcp = mcp
+    try:
+        return await _run_agent(args, prompt, stream, store, session_id, model_dir, toolbox, mcp_started)
+    finally:
+        mcp_started.cancel()
+        await mcp.aclose()
+
+
+async def _run_agent(args: argparse.Namespace, prompt: str, stream, store, session_id: str | None,
+                     model_dir: Path | None, toolbox, mcp_started: asyncio.Future) -> tuple[int, dict]:
+    """The run once the session and the workspace's MCP servers (starting in `mcp_started`) are known."""
+    from northcode.agent.approvals import Approvals, Mode
+    from northcode.agent.client import ChatClient, EndpointError
+    from northcode.agent.loop import Agent
+    from northcode.agent.served_model import describe_served_model
+    from northcode.agent.server_process import connect
+    from northcode.agent.sessions import SessionRecorder
+
+    workspace = toolbox.workspace
     transcript: dict = {"workspace": str(workspace.root), "mode": args.mode, "ok": False, "error": None}
     client = None
     try:
@@ -141,12 +169,12 @@ async def _run(args: argparse.Namespace, prompt: str, stream) -> tuple[int, dict
     history = store.messages(session_id) if session_id else None
     recorder = SessionRecorder(store, workspace.root, served, session_id)
     params = {"max_tokens": args.max_tokens} if args.max_tokens else {}
-    toolbox = ToolBox(workspace, paths.data_dir() / "tool-output")
+    await mcp_started  # each MCP server is ready or failed (and said so) before the first request
 
     def on_message(message: dict) -> None:
         recorder.save(message)
         if stream is not None and stream.session_id is None and message.get("role") == "user":  # the session exists
-            tools = [schema["function"]["name"] for schema in TOOL_SCHEMAS]
+            tools = [schema["function"]["name"] for schema in toolbox.schemas()]
             stream.init(recorder.session_id, served, str(workspace.root), tools, args.mode)
 
     def on_event(event) -> None:

@@ -40,6 +40,7 @@ from northcode.agent.tools import PreparedCall, ToolBox
 from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
 from northcode.tui.slash import SlashCommands
 from northcode.tui.file_picker import FilePicker
+from northcode.tui.mcp import AppMcpServers
 from northcode.tui.widgets import (AssistantMessage, Notice, PromptInput, StatusLine, TodoPanel, ToolCallView,
                                    UserMessage)
 
@@ -88,6 +89,7 @@ class NorthcodeApp(App):
         self.stream_rate = StreamRate()
         self.slash = SlashCommands(self)
         self.started_server: str | None = None  # "started northcode serve on URL (pid N, log FILE)"
+        self.mcp = AppMcpServers(self)
 
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="chat")
@@ -116,8 +118,10 @@ class NorthcodeApp(App):
         prompt.load_history(self.store.prompts(self.workspace.root))  # Up finds the last run's prompts
         prompt.focus()
         self.connect()
+        self.mcp.start()
 
     async def on_unmount(self) -> None:
+        await self.mcp.aclose()
         if self.client is not None:
             await self.client.aclose()
 

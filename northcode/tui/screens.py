@@ -40,7 +40,7 @@ class ApprovalScreen(ModalScreen[Decision | Answer]):
         self.call = call
 
     def compose(self) -> ComposeResult:
-        language = "diff" if self.call.kind == "edit" else "bash"
+        language = {"edit": "diff", "mcp": "json"}.get(self.call.kind, "bash")
         with Vertical(id="approval"):
             hunks = f"; h: hunk by hunk ({len(self.call.hunks)})" if len(self.call.hunks) > 1 else ""
             yield Static(f"Allow this {self.call.kind} call?  (t: deny and tell the model why{hunks})",

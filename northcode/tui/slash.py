@@ -1,5 +1,5 @@
 """Slash commands typed in the prompt (or picked in the Ctrl+P palette): /new /sessions /model /mode /undo
-/compact /clear /help /quit.
+/compact /mcp /clear /help /quit.
 
 Each command is one method `cmd_<name>(argument)`; agent/slash_commands.py parses the line
 (an unknown command gets a notice that lists the known ones) and holds their help lines.
@@ -126,6 +126,9 @@ class SlashCommands:
             return
         if self.require_connection() and self.app.agent is not None:
             self.app.compact()
+
+    async def cmd_mcp(self, argument: str) -> None:
+        await self.app.add(Notice(self.app.mcp.listing()))
 
     async def cmd_clear(self, argument: str) -> None:
         if not self.idle():

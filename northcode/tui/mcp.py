@@ -1,0 +1,57 @@
+"""The app's side of the MCP servers: started with the app, a notice as each gets ready or fails, /mcp's listing.
+
+The servers themselves (connections, tools, calls) are agent/mcp_servers.py's; this only tells the user.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from northcode import paths
+from northcode.agent.instructions import shown_path
+from northcode.agent.mcp_config import USER_FILE
+from northcode.agent.mcp_servers import McpServer, workspace_servers
+from northcode.tui.widgets import Notice
+
+if TYPE_CHECKING:
+    from northcode.tui.app import NorthcodeApp
+
+
+class AppMcpServers:
+    def __init__(self, app: NorthcodeApp) -> None:
+        self.app = app
+        self.servers, self.errors = workspace_servers(app.workspace.root, self.on_change)
+        app.toolbox.mcp = self.servers  # their tools join the agent's as each server gets ready
+
+    def start(self) -> None:
+        """Start the servers in a worker, beside the model server's connection."""
+        if self.errors or self.servers.servers:
+            self.app.run_worker(self._start(), group="mcp", exit_on_error=False)
+
+    async def _start(self) -> None:
+        for error in self.errors:
+            await self.app.add(Notice(f"MCP configuration: {error}", "error"))
+        await self.servers.start()
+
+    async def aclose(self) -> None:
+        await self.servers.aclose()
+
+    def on_change(self, server: McpServer) -> None:
+        if server.state == "ready":
+            notice = Notice(f"MCP server {server.name}: ready, {len(server.tools)} tools (/mcp lists them)")
+        else:
+            notice = Notice(f"MCP server {server.name} {server.state}: {server.error}; its tools are gone, the "
+                            "agent goes on without them", "error")
+        self.app.call_later(self.app.add, notice)
+
+    def listing(self) -> str:
+        """/mcp's text: each server, where it is configured, its state and its tools."""
+        root = self.app.workspace.root
+        if not self.servers.servers:
+            return (f"No MCP servers configured. Add them to .mcp.json or opencode.json in the workspace, or to "
+                    f"{paths.data_dir() / USER_FILE} for every workspace (docs/tui.md has the format).")
+        lines = ["MCP servers:"]
+        for server in self.servers.servers.values():
+            lines.append(f"  {server.describe()}  [{shown_path(server.config.source, root)}]")
+            lines += [f"    {tool.qualified}{' (read-only)' if tool.read_only else ''}" for tool in server.tools]
+        return "\n".join(lines)

@@ -1,0 +1,307 @@
+"""MCP servers in the agent: a server written here with the SDK's MCPServer (FastMCP's v2 name), run over stdio (this
+file as a subprocess) and streamable HTTP (uvicorn in a thread), its tools called by the agent loop against the
+scripted endpoint, approvals per mode, servers that fail to start or die, and the clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError as ServerToolError
+from mcp.types import ImageContent, TextContent, ToolAnnotations
+
+TESTS = Path(__file__).resolve().parent
+
+
+def build_server() -> MCPServer:
+    server = MCPServer("calc", log_level="ERROR")
+
+    @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @server.tool()
+    def write_note(text: str) -> str:
+        """Append a line to notes.txt in the server's folder."""
+        with open("notes.txt", "a") as notes:
+            notes.write(text + "\n")
+        return f"noted in {os.getcwd()}"
+
+    @server.tool()
+    def picture() -> list:
+        """A caption and an image."""
+        return [TextContent(type="text", text="a red dot"), ImageContent(type="image", data="AAAA", mimeType="image/png")]
+
+    @server.tool()
+    def fail() -> str:
+        """Always fails."""
+        raise ServerToolError("the disk is full")
+
+    @server.tool()
+    def pid() -> int:
+        """The server's process id."""
+        return os.getpid()
+
+    @server.tool()
+    def die() -> str:
+        """Exit at once, without an answer."""
+        os._exit(3)
+
+    return server
+
+
+if __name__ == "__main__":  # the stdio server: python tests/test_mcp_servers.py
+    build_server().run("stdio")
+    sys.exit(0)
+
+import pytest  # noqa: E402
+import uvicorn  # noqa: E402
+from agent_scripted_endpoint import RecordingAsker, ScriptedEndpoint, text_reply, tool_reply  # noqa: E402
+
+from northcode.agent.approvals import Approvals, Decision, Mode  # noqa: E402
+from northcode.agent.client import ChatClient  # noqa: E402
+from northcode.agent.loop import Agent  # noqa: E402
+from northcode.agent.mcp_config import ServerConfig  # noqa: E402
+from northcode.agent.mcp_servers import McpServers, qualified_name  # noqa: E402
+from northcode.agent.sandbox import Workspace  # noqa: E402
+from northcode.agent.tools import ToolBox, ToolError  # noqa: E402
+
+STDIO_COMMAND = (sys.executable, str(Path(__file__).resolve()))
+
+
+class HttpMcpServer:
+    """build_server() over streamable HTTP on a free loopback port; `headers` keeps each request's headers."""
+
+    def __init__(self) -> None:
+        app = build_server().streamable_http_app()
+        self.headers: list[dict[str, str]] = []
+
+        async def recorded(scope, receive, send) -> None:
+            if scope["type"] == "http":
+                self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+            await app(scope, receive, send)
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/mcp"
+        self._server = uvicorn.Server(uvicorn.Config(recorded, log_level="error"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def __enter__(self) -> HttpMcpServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "the MCP HTTP server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+def stdio_config(name: str = "calc", command: tuple[str, ...] = STDIO_COMMAND, **kwargs) -> ServerConfig:
+    return ServerConfig(name, "stdio", Path("test.json"), command, **kwargs)
+
+
+@pytest.fixture
+def http_server():
+    with HttpMcpServer() as server:
+        yield server
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Workspace:
+    root = tmp_path / "project"
+    root.mkdir()
+    return Workspace(root)
+
+
+@pytest.fixture
+async def calc(workspace, tmp_path):
+    """The stdio server, started, in a toolbox."""
+    servers = McpServers([stdio_config()], workspace.root, tmp_path / "logs")
+    await servers.start()
+    toolbox = ToolBox(workspace, tmp_path / "spill")
+    toolbox.mcp = servers
+    yield toolbox
+    await servers.aclose()
+
+
+def tool_outputs(request: dict) -> list[str]:
+    return [m["content"] for m in request["messages"] if m["role"] == "tool"]
+
+
+# --- connections and tools ---
+
+
+async def test_stdio_tools_are_offered_under_the_prefix_with_their_schemas(calc):
+    (server,) = calc.mcp.servers.values()
+    assert server.state == "ready" and not server.error
+    schemas = {s["function"]["name"]: s["function"] for s in calc.schemas()}
+    assert {"read", "bash", "mcp__calc__add", "mcp__calc__die"} <= set(schemas)
+    add = schemas["mcp__calc__add"]
+    assert add["description"] == "Add two integers."
+    assert add["parameters"]["properties"]["a"]["type"] == "integer" and add["parameters"]["required"] == ["a", "b"]
+    assert calc.mcp.find("mcp__calc__add").read_only and not calc.mcp.find("mcp__calc__write_note").read_only
+
+
+async def test_calls_give_text_a_note_for_images_and_errors(calc, workspace):
+    assert await calc.prepare("mcp__calc__add", '{"a": 2, "b": 5}').execute() == "7"
+    assert await calc.prepare("mcp__calc__picture", {}).execute() == (
+        "a red dot\n[image content (image/png, 3 bytes): not shown to you]")
+    with pytest.raises(ToolError, match="the disk is full"):
+        await calc.prepare("mcp__calc__fail", {}).execute()
+    noted = await calc.prepare("mcp__calc__write_note", {"text": "hi"}).execute()
+    assert noted == f"noted in {workspace.root}" and (workspace.root / "notes.txt").read_text() == "hi\n"
+    prepared = calc.prepare("mcp__calc__add", {"a": 1, "b": 2})
+    assert prepared.kind == "mcp" and prepared.read_only and prepared.title == "mcp calc: add"
+    assert '"a": 1' in prepared.preview
+    with pytest.raises(ToolError, match="no MCP server offers it"):
+        calc.prepare("mcp__calc__nope", {})
+
+
+async def test_streamable_http_server_with_headers(http_server, workspace, tmp_path):
+    config = ServerConfig("web", "http", Path("test.json"), url=http_server.url, headers={"Authorization": "Bearer k"})
+    servers = McpServers([config], workspace.root, tmp_path)
+    await servers.start()
+    try:
+        assert servers.servers["web"].state == "ready", servers.summary()
+        assert await servers.call(servers.find("mcp__web__add"), {"a": 20, "b": 22}) == "42"
+    finally:
+        await servers.aclose()
+    assert servers.servers["web"].state == "stopped"
+    assert http_server.headers and all(h.get("authorization") == "Bearer k" for h in http_server.headers)
+
+
+def test_qualified_names_fit_openai_function_names():
+    assert qualified_name("my.server", "get weather") == "mcp__my_server__get_weather"
+    assert len(qualified_name("s", "x" * 100)) == 64
+
+
+async def test_aclose_ends_a_stdio_server_process(calc):
+    server_pid = int(await calc.prepare("mcp__calc__pid", {}).execute())
+    await calc.mcp.aclose()
+    assert calc.mcp.servers["calc"].state == "stopped" and calc.schemas()[-1]["function"]["name"] == "webfetch"
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "the stdio server still runs after aclose"
+        await asyncio.sleep(0.05)
+
+
+# --- failures ---
+
+
+async def test_servers_that_fail_to_start_are_reported_and_the_others_work(workspace, tmp_path):
+    changes = []
+    exits = (sys.executable, "-c", "import sys; print('bad token', file=sys.stderr); sys.exit(2)")
+    configs = [stdio_config("missing", ("/nonexistent/mcp-server",)), stdio_config("exits", exits),
+               stdio_config("slow", (sys.executable, "-c", "import time; time.sleep(60)"), start_timeout_s=0.5),
+               ServerConfig("unreachable", "http", Path("t.json"), url="http://127.0.0.1:9/mcp"),
+               stdio_config("off", enabled=False), stdio_config()]
+    servers = McpServers(configs, workspace.root, tmp_path, on_change=lambda s: changes.append((s.name, s.state)))
+    start = time.monotonic()
+    await servers.start()
+    try:
+        assert time.monotonic() - start < 10  # concurrently, each within its limit
+        states = {name: server.state for name, server in servers.servers.items()}
+        assert states == {"missing": "failed", "exits": "failed", "slow": "failed", "unreachable": "failed",
+                          "off": "disabled", "calc": "ready"}
+        errors = {name: server.error for name, server in servers.servers.items()}
+        assert "cannot start '/nonexistent/mcp-server'" in errors["missing"]
+        assert "the server exited" in errors["exits"] and "bad token" in errors["exits"]
+        assert "mcp-exits.log" in errors["exits"] and errors["slow"] == "did not start within 0.5 s"
+        assert "ConnectError" in errors["unreachable"]
+        assert sorted(changes) == sorted([(n, "failed") for n in ("missing", "exits", "slow", "unreachable")]
+                                         + [("calc", "ready")])
+        assert {tool.server for tool in servers.tools()} == {"calc"}
+        assert any("calc (stdio" in line and "ready, 6 tools" in line for line in servers.summary())
+    finally:
+        await servers.aclose()
+
+
+async def test_a_server_that_dies_mid_session_loses_its_tools_and_the_agent_goes_on(workspace, tmp_path, http_server):
+    changes = []
+    configs = [stdio_config(), ServerConfig("web", "http", Path("t.json"), url=http_server.url)]
+    servers = McpServers(configs, workspace.root, tmp_path, on_change=lambda s: changes.append((s.name, s.state)))
+    await servers.start()
+    toolbox = ToolBox(workspace, tmp_path / "spill")
+    toolbox.mcp = servers
+    replies = [tool_reply(("mcp__calc__die", {})), tool_reply(("mcp__web__add", {"a": 1, "b": 1})),
+               tool_reply(("mcp__calc__add", {"a": 1, "b": 1})), text_reply("Done.")]
+    try:
+        with ScriptedEndpoint(replies) as endpoint:
+            agent = Agent(ChatClient(endpoint.url), toolbox, Approvals(Mode.FULL_AUTO, None))
+            result = await agent.run_turn("add")
+            await agent.client.aclose()
+    finally:
+        await servers.aclose()
+    assert result.answer == "Done."
+    died, web, gone = tool_outputs(endpoint.requests[3])
+    assert died.startswith("Error: mcp__calc__die failed") and "the server exited" in died
+    assert web == "2" and "no MCP server offers it now" in gone
+    assert ("calc", "failed") in changes and servers.servers["calc"].state == "failed"
+    names = [[t["function"]["name"] for t in request["tools"]] for request in endpoint.requests]
+    assert "mcp__calc__add" in names[0] and "mcp__calc__add" not in names[1] and "mcp__web__add" in names[1]
+
+
+# --- the agent loop and approvals ---
+
+
+async def test_the_agent_calls_an_mcp_tool_and_reads_its_result(calc):
+    with ScriptedEndpoint([tool_reply(("mcp__calc__add", {"a": 3, "b": 4})), text_reply("3 + 4 = 7")]) as endpoint:
+        agent = Agent(ChatClient(endpoint.url), calc, Approvals(Mode.FULL_AUTO, None))
+        result = await agent.run_turn("add 3 and 4")
+        await agent.client.aclose()
+    assert result.answer == "3 + 4 = 7" and tool_outputs(endpoint.requests[1]) == ["7"]
+    tools = {t["function"]["name"]: t["function"] for t in endpoint.requests[0]["tools"]}
+    assert tools["mcp__calc__add"]["parameters"]["required"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("mode, tool, num_asked, runs", [
+    (Mode.PLAN, "write_note", 0, False),  # refused without a question
+    (Mode.PLAN, "add", 1, True),  # readOnlyHint: plan mode asks
+    (Mode.ASK, "add", 1, True), (Mode.AUTO_EDIT, "write_note", 1, True),
+    (Mode.FULL_AUTO, "write_note", 0, True)])
+async def test_approvals_per_mode(calc, mode, tool, num_asked, runs):
+    arguments = {"a": 1, "b": 2} if tool == "add" else {"text": "x"}
+    calls = [tool_reply((f"mcp__calc__{tool}", arguments)), tool_reply((f"mcp__calc__{tool}", arguments)),
+             text_reply("OK.")]
+    asker = RecordingAsker(Decision.ALLOW_SESSION)
+    with ScriptedEndpoint(calls) as endpoint:
+        agent = Agent(ChatClient(endpoint.url), calc, Approvals(mode, asker))
+        await agent.run_turn("go")
+        await agent.client.aclose()
+    assert len(asker.asked) == num_asked  # the session approval covers that tool's second call
+    if num_asked:
+        assert asker.asked[0].kind == "mcp" and asker.asked[0].name == f"mcp__calc__{tool}"
+    outputs = tool_outputs(endpoint.requests[2])
+    if runs:
+        assert outputs[0] in ("3", f"noted in {calc.workspace.root}")
+    else:
+        assert "plan mode" in outputs[0] and "not marked read-only" in outputs[0]
+        assert not (calc.workspace.root / "notes.txt").exists()
+
+
+async def test_a_denied_or_headless_mcp_call_does_not_run(calc):
+    for approvals, reason in [(Approvals(Mode.ASK, RecordingAsker(Decision.DENY)), "denied by the user"),
+                              (Approvals(Mode.AUTO_EDIT, None), "no one can answer in a headless run")]:
+        with ScriptedEndpoint([tool_reply(("mcp__calc__write_note", {"text": "x"})), text_reply("OK.")]) as endpoint:
+            agent = Agent(ChatClient(endpoint.url), calc, approvals)
+            await agent.run_turn("note it")
+            await agent.client.aclose()
+        (output,) = tool_outputs(endpoint.requests[1])
+        assert reason in output
+    assert not (calc.workspace.root / "notes.txt").exists()
