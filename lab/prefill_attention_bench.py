@@ -14,8 +14,14 @@ compiled flex_attention may compile), and its largest difference from an fp32 re
   cudnn-mask        cuDNN's attention with the bool mask (SDPA's own first choice; run 109's plan per shape)
   flex              flex_attention compiled once with dynamic shapes, a block mask of the same rule, GQA in the
                     kernel (no repeated K/V)
-Every way but flex and the -gqa ones repeats K/V to the query heads first, as the prefill does; that copy is in
-the time.
+  flex-paged        lab/paged_prefill_flex.py: the same kernel reading K/V in place from a paged pool of POOL_PAGES
+                    pages of PAGE_SIZE (under 2^31 elements, as the compiled decode step's pool), the row's pages
+                    scattered through it; the block mask is built from the page table in every call (in the time;
+                    its own time is the note's "mask")
+  flex-paged-big    the same over a pool of BIG_POOL_PAGES (past 2^31 elements, as the eager engine's 68 GB pool):
+                    does the template compile and run with 64-bit offsets (the decode template did not, run 29)?
+Every way but the flex ones and the -gqa ones repeats K/V to the query heads first, as the prefill does; that copy
+is in the time. FlashInfer is not among them: no wheel for this torch/CUDA on the device (issue 25: ~100 MB).
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ import torch
 import torch.nn.functional as F
 
 WAYS = ("efficient-mask", "efficient-mask-gqa", "efficient-causal", "flash-causal", "flash-causal-gqa", "cudnn-mask",
-        "flex")
+        "flex", "flex-paged", "flex-paged-big")
 # (queries, keys, window): a chunk of 2048 on a full layer at 4K and 16K, on a sliding layer (keys from the
 # window's start), and a warm turn of 40 tokens on 4K cached, full and sliding
 SHAPES = ((2048, 4096, None), (2048, 16384, None), (2048, 6144, 4096), (40, 4136, None), (40, 4136, 4096))
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
+PAGE_SIZE = 64  # settings.PAGE_SIZE
+POOL_PAGES = 30_000  # 2 x 30001 x 64 x 4 x 128 = 1.97e9 elements (3.9 GB bf16): under 2^31
+BIG_POOL_PAGES = 70_000  # 4.6e9 elements (9.2 GB): past 2^31
+PAGED_WAYS = {"flex-paged": POOL_PAGES, "flex-paged-big": BIG_POOL_PAGES}
 
 
 def visible(t: int, s: int, window: int | None, device) -> torch.Tensor:
@@ -81,6 +91,48 @@ def flex_way(q, k, v, window: int | None) -> torch.Tensor:
     return _FLEX["fn"](q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
+_POOLS = {}  # pages -> the paged ways' pool, allocated once per process
+
+
+def paged_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_pages: int, seed: int = 0) -> tuple:
+    """k, v [1, Hkv, S, D] scattered into a pool [2, pool_pages + 1, PAGE_SIZE, Hkv, D] at random distinct pages ->
+    the paged way's arguments (q, pool, page_table int32 [ceil(S / PAGE_SIZE)], start = S - T). On the CPU the
+    pool is twice the pages the row needs."""
+    s = k.shape[2]
+    num_pages = -(-s // PAGE_SIZE)
+    pool_pages = pool_pages if q.is_cuda else 2 * num_pages
+    key = (pool_pages, q.device.type, q.dtype)
+    if key not in _POOLS:
+        _POOLS.clear()  # one pool at a time: the big one is 9 GB
+        _POOLS[key] = torch.zeros(2, pool_pages + 1, PAGE_SIZE, KV_HEADS, HEAD_DIM, device=q.device, dtype=q.dtype)
+    pool = _POOLS[key]
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(pool_pages, generator=gen)[:num_pages].to(torch.int32).to(q.device)
+    padded = num_pages * PAGE_SIZE
+    for half, kv in enumerate((k, v)):  # [1, Hkv, S, D] -> pages [P, ps, Hkv, D]
+        rows = F.pad(kv[0].transpose(0, 1), (0, 0, 0, 0, 0, padded - s)).reshape(num_pages, PAGE_SIZE, KV_HEADS, -1)
+        pool[half].index_copy_(0, table.long(), rows)
+    return q, pool, table, s - q.shape[2]
+
+
+def paged_function(window: int | None) -> Callable:
+    """(q, pool, page_table, start) -> [1, Hq, T, D]: lab/paged_prefill_flex.py's attention (the mask built too)."""
+    from paged_prefill_flex import paged_prefill_attention
+
+    return lambda q, pool, table, start: paged_prefill_attention(q, pool, table, start, window)
+
+
+def mask_function(window: int | None) -> Callable:
+    """(q, pool, page_table, start) -> the paged way's block mask alone (logical_of and the page lists)."""
+    from paged_prefill_flex import logical_pages, paged_block_mask
+
+    def build(q, pool, table, start):
+        logical_of = logical_pages(table, pool.shape[1])
+        return paged_block_mask(table, logical_of, start, q.shape[2], window, PAGE_SIZE, pool.shape[1] * PAGE_SIZE)
+
+    return build
+
+
 def way_function(name: str, window: int | None) -> Callable | None:
     """q [1, Hq, T, D], k and v [1, Hkv, S, D] -> [1, Hq, T, D]; None where the way does not apply."""
     from torch.nn.attention import SDPBackend
@@ -99,6 +151,8 @@ def way_function(name: str, window: int | None) -> Callable | None:
         return lambda q, k, v: sdpa_with(backend, q, k, v, causal_bias=True, gqa=gqa)
     if name == "flex":
         return lambda q, k, v: flex_way(q, k, v, window)
+    if name in PAGED_WAYS:
+        return paged_function(window)
     raise ValueError(f"unknown way {name!r}; choose from {', '.join(WAYS)}")
 
 
@@ -145,13 +199,18 @@ def measure(shapes, ways, device, dtype, repeats: int) -> list[dict]:
             if fn is None:
                 row["note"] = "full layers only"
                 continue
+            paged = PAGED_WAYS.get(name)
+            args = (q, k, v) if paged is None else paged_case(q, k, v, paged)
             try:
-                row["max_diff"] = (fn(q, k, v).float() - want).abs().max().item()
-                row["ms"] = 1e3 * timed(fn, (q, k, v), repeats)
+                row["max_diff"] = (fn(*args).float() - want).abs().max().item()
+                row["ms"] = 1e3 * timed(fn, args, repeats)
                 fresh = inputs(t + 1, s + 64, device, dtype, seed=1)  # a shape this way has not seen
-                row["first_ms"] = 1e3 * timed(fn, fresh, 1)
-            except RuntimeError as err:  # a kernel that does not take this case (the CPU, no cuDNN, an old GPU)
-                first_line = str(err).splitlines()[0]
+                row["first_ms"] = 1e3 * timed(fn, fresh if paged is None else paged_case(*fresh, paged, seed=1), 1)
+                if paged is not None:
+                    row["note"] = f"mask {1e3 * timed(mask_function(window), args, repeats):.3f} ms"
+            except Exception as err:  # a kernel that does not take this case (the CPU, no cuDNN, an old GPU), or
+                # a compile that fails (inductor raises its own errors, not RuntimeError)
+                first_line = (str(err).splitlines() or [type(err).__name__])[0]
                 row["note"] = "no such kernel here" if "No viable backend" in first_line else first_line[:80]
     return rows
 

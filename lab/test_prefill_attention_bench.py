@@ -1,11 +1,18 @@
 """The prefill attention bench's ways on the CPU: where a way runs here, it computes the reference's attention
-(causal from the bottom right, the window), so that its GPU timings compare like with like."""
+(causal from the bottom right, the window), so that its GPU timings compare like with like; and the paged way
+(lab/paged_prefill_flex.py) against fp32 attention for every kind of chunk, its page table scrambled."""
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 
+from paged_prefill_flex import dense_visible, paged_prefill_attention
 from prefill_attention_bench import format_rows, measure, visible
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager: the reference
 
 
 def test_the_mask_is_causal_from_the_bottom_right_and_inside_the_window():
@@ -26,3 +33,95 @@ def test_the_ways_that_run_on_the_cpu_agree_with_the_reference():
     assert {r["note"] for r in rows if r["way"] == "efficient-mask"} == {"no such kernel here"}
     table = format_rows(rows)
     assert table.splitlines()[0].split()[:4] == ["T", "S", "window", "way"] and len(table.splitlines()) == 10
+
+
+# --- the paged way (lab/paged_prefill_flex.py): K/V read in place from a scrambled pool ---
+
+PAGE, KV_HEADS_TINY, HEADS_TINY, DIM = 16, 4, 32, 16  # North Mini Code's heads (group 8), small pages and head dim
+WINDOW, NUM_KEYS = 48, 300  # a window of 3 pages; the row holds 300 keys (19 pages, the last partly filled)
+# (start, T): chunk sizes 1, odd, page-crossing (mid-page to mid-page), window-crossing (several query blocks whose
+# windows start on different pages), a chunk that ends before the row's last key (later slots hold stale keys),
+# and the whole prompt
+CHUNKS = ((299, 1), (262, 37), (87, 20), (100, 200), (130, 140), (0, 300))
+
+
+def _scrambled_row(num_keys=NUM_KEYS, seed=0, evict_before=None):
+    """A pool of 48 pages (+ scratch) holding one row's K/V at random distinct pages: (pool, table int32 [P + 2],
+    keys, values [1, Hkv, S, D]). The table's last two entries are unmapped; with evict_before, the pages wholly
+    before that position are unmapped too (a sliding layer's freed pages) and their slots hold garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = -(-num_keys // PAGE)
+    pool = torch.randn(2, 49, PAGE, KV_HEADS_TINY, DIM, generator=gen) * 100  # garbage everywhere not written
+    table = torch.randperm(48, generator=gen)[:num_pages + 2].to(torch.int32)
+    table[num_pages:] = -1
+    keys, values = (torch.randn(1, KV_HEADS_TINY, num_keys, DIM, generator=gen) for _ in range(2))
+    for pos in range(num_keys):
+        page = table[pos // PAGE]
+        pool[0, page, pos % PAGE], pool[1, page, pos % PAGE] = keys[0, :, pos], values[0, :, pos]
+    if evict_before is not None:
+        table[:evict_before // PAGE] = -1
+    return pool, table, keys, values
+
+
+def _reference(q, keys, values, start, window):
+    """fp32 attention of q [1, Hq, T, D] at positions start.. over keys 0 .. start + T - 1 (model.attention_mask)."""
+    end = start + q.shape[2]
+    mask = visible(q.shape[2], end, window, "cpu")
+    rep = lambda t: t[:, :, :end].repeat_interleave(HEADS_TINY // KV_HEADS_TINY, dim=1)  # noqa: E731
+    return torch.nn.functional.scaled_dot_product_attention(q, rep(keys), rep(values), attn_mask=mask)
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("start, num_queries", CHUNKS)
+def test_the_page_lists_are_the_reference_mask(start, num_queries, window):
+    """What the GPU kernel reads (full pages whole, partial pages through mask_mod, nothing else) is the mask."""
+    _, table, _, _ = _scrambled_row()
+    seen = dense_visible(table, start, num_queries, window, PAGE)  # [T, (P + 2) * ps] logical key positions
+    end = start + num_queries
+    assert torch.equal(seen[:, :end], visible(num_queries, end, window, "cpu"))
+    assert not seen[:, end:].any()
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("start, num_queries", CHUNKS)
+def test_the_paged_way_equals_fp32_attention(start, num_queries, window):
+    pool, table, keys, values = _scrambled_row(evict_before=None if window is None else max(0, start - WINDOW))
+    q = torch.randn(1, HEADS_TINY, num_queries, DIM, generator=torch.Generator().manual_seed(1))
+    got = paged_prefill_attention(q, pool, table, start, window)
+    torch.testing.assert_close(got, _reference(q, keys, values, start, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor's CPU code needs C++")
+def test_compiled_on_the_cpu_it_reads_only_the_listed_pages_and_compiles_once_per_kind_of_chunk():
+    """Inductor's CPU template reads the page lists as the GPU's does (a page left out of them changes the result),
+    and new chunk lengths and contexts reuse the graph: one for chunks of one query block, one for longer ones."""
+    from torch._dynamo.utils import counters
+
+    import paged_prefill_flex
+
+    torch._dynamo.reset()
+    counters.clear()
+    pool, table, keys, values = _scrambled_row()
+    gen = torch.Generator().manual_seed(2)
+    for start, num_queries in ((100, 200), (130, 140), (0, 300), (262, 37), (87, 20)):
+        for window in (None, WINDOW):
+            q = torch.randn(1, HEADS_TINY, num_queries, DIM, generator=gen)
+            got = paged_prefill_attention(q, pool, table, start, window, compile=True)
+            torch.testing.assert_close(got, _reference(q, keys, values, start, window), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    q = torch.randn(1, HEADS_TINY, 200, DIM, generator=gen)
+    logical_of = paged_prefill_flex.logical_pages(table, pool.shape[1])
+    mask = paged_prefill_flex.paged_block_mask(table, logical_of, 100, 200, None, PAGE, pool.shape[1] * PAGE,
+                                               pad_indices=True)
+    keys_view, values_view = paged_prefill_flex.pool_keys_values(pool)
+    with paged_prefill_flex.fx_config.patch(use_duck_shape=False):
+        whole = paged_prefill_flex.compiled_flex()(q, keys_view, values_view, block_mask=mask, enable_gqa=True)
+        mask.full_kv_num_blocks.zero_()  # the full pages left out: the kernel must not find them by itself
+        without = paged_prefill_flex.compiled_flex()(q, keys_view, values_view, block_mask=mask, enable_gqa=True)
+    assert (whole - without).abs().max() > 0.1
+
+
+def test_the_bench_runs_the_paged_ways_on_the_cpu():
+    rows = measure(((8, 64, None), (8, 64, 32), (3, 70, None)), ["flex-paged", "flex-paged-big"], "cpu",
+                   torch.float32, repeats=1)
+    assert all(r["max_diff"] < 1e-4 and r["first_ms"] is not None and r["note"].startswith("mask ") for r in rows), rows
