@@ -191,13 +191,17 @@ async def test_aclose_ends_a_stdio_server_process(calc):
     server_pid = int(await calc.prepare("mcp__calc__pid", {}).execute())
     await calc.mcp.aclose()
     assert calc.mcp.servers["calc"].state == "stopped" and calc.schemas()[-1]["function"]["name"] == "webfetch"
-    deadline = time.monotonic() + 5
+    await until_gone(server_pid)
+
+
+async def until_gone(pid: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
-            os.kill(server_pid, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "the stdio server still runs after aclose"
+            return
+        assert time.monotonic() < deadline, f"process {pid} still runs"
         await asyncio.sleep(0.05)
 
 
@@ -207,8 +211,10 @@ async def test_aclose_ends_a_stdio_server_process(calc):
 async def test_servers_that_fail_to_start_are_reported_and_the_others_work(workspace, tmp_path):
     changes = []
     exits = (sys.executable, "-c", "import sys; print('bad token', file=sys.stderr); sys.exit(2)")
+    pid_file = tmp_path / "slow.pid"
+    slow = (sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)")
     configs = [stdio_config("missing", ("/nonexistent/mcp-server",)), stdio_config("exits", exits),
-               stdio_config("slow", (sys.executable, "-c", "import time; time.sleep(60)"), start_timeout_s=0.5),
+               stdio_config("slow", slow, start_timeout_s=0.5),
                ServerConfig("unreachable", "http", Path("t.json"), url="http://127.0.0.1:9/mcp"),
                stdio_config("off", enabled=False), stdio_config()]
     servers = McpServers(configs, workspace.root, tmp_path, on_change=lambda s: changes.append((s.name, s.state)))
@@ -230,6 +236,7 @@ async def test_servers_that_fail_to_start_are_reported_and_the_others_work(works
         assert any("calc (stdio" in line and "ready, 6 tools" in line for line in servers.summary())
     finally:
         await servers.aclose()
+    await until_gone(int(pid_file.read_text()))  # the server past its time limit was ended
 
 
 async def test_a_server_that_dies_mid_session_loses_its_tools_and_the_agent_goes_on(workspace, tmp_path, http_server):

@@ -133,12 +133,13 @@ class McpServers:
                 server.client = None
                 if not server.stop.is_set():
                     raise ConnectionError("the server exited")
-            server.state = "stopped"
         except Exception as err:  # ExceptionGroup included: the SDK's task groups raise them
             if not server.stop.is_set():
                 self._fail(server, _reason(err, server))
         finally:
             server.client = None
+            if server.state in ("starting", "ready"):  # stopped by aclose, or cancelled by it
+                server.state = "stopped"
             server.started.set()
 
     def _fail(self, server: McpServer, reason: str) -> None:
