@@ -21,7 +21,11 @@ compiled flex_attention may compile), and its largest difference from an fp32 re
   flex-paged-big    the same over a pool of BIG_POOL_PAGES (past 2^31 elements, as the eager engine's 68 GB pool):
                     does the template compile and run with 64-bit offsets (the decode template did not, run 29)?
 Every way but the flex ones and the -gqa ones repeats K/V to the query heads first, as the prefill does; that copy
-is in the time. FlashInfer is not among them: no wheel for this torch/CUDA on the device (issue 25: ~100 MB).
+is in the time. FlashInfer is not among them: its PyPI wheel (flashinfer-python 0.7.2.post1, 62 MB, py3-none-any)
+is sources that nvcc compiles on first use (minutes per kernel variant, past a 5-minute device call), and it
+requires apache-tvm-ffi, cuda-python, cuda-tile, nvidia-cutlass-dsl, nccl4py and more, which with it exceed the
+64 MiB a device call can carry (the device has no network); its precompiled kernels (flashinfer-cubin,
+flashinfer-jit-cache) are larger still.
 """
 
 from __future__ import annotations
