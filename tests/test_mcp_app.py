@@ -64,14 +64,15 @@ def notices(app) -> list[str]:
 
 
 async def test_the_app_reports_the_servers_asks_before_a_call_and_lists_them(workspace, store):
-    replies = [tool_reply(("mcp__calc__write_note", {"text": "from the app"})), text_reply("Noted.")]
+    replies = [tool_reply(("mcp__calc__write_note", {"text": "from the app"})), text_reply("Noted."),
+               tool_reply(("mcp__calc__die", {})), text_reply("It is gone.")]
     with ScriptedEndpoint(replies) as endpoint:
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store, mode=Mode.AUTO_EDIT)
         async with app.run_test(size=(120, 40)) as pilot:
             await until(pilot, lambda: app.agent is not None and any("calc: ready" in n for n in notices(app)))
             shown = "\n".join(notices(app))
             assert "MCP server calc: ready, 6 tools (/mcp lists them)" in shown
-            assert "MCP server broken failed: cannot start '/nonexistent/mcp-server'" in shown
+            assert "MCP server broken failed to start: cannot start '/nonexistent/mcp-server'" in shown
             assert "MCP configuration: " in shown and "mcp.odd: type 'sse'" in shown
             app.query_one(PromptInput).text = "note it"
             await pilot.press("enter")
@@ -86,7 +87,15 @@ async def test_the_app_reports_the_servers_asks_before_a_call_and_lists_them(wor
             listing = next(n for n in notices(app) if n.startswith("MCP servers:"))
             assert "calc (stdio: " in listing and "ready, 6 tools" in listing and "[.mcp.json]" in listing
             assert "mcp__calc__add (read-only)" in listing and "broken (stdio: /nonexistent/mcp-server): failed" in listing
+            app.query_one(PromptInput).text = "stop the server"
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+            await pilot.press("y")
+            await until(pilot, lambda: not app.is_busy and endpoint.finished == 4)
+            await until(pilot, lambda: any("calc failed: the server exited; its tools are gone" in n
+                                           for n in notices(app)))
             servers = app.mcp.servers
     assert (workspace / "notes.txt").read_text() == "from the app\n"
     assert all(server.state in ("stopped", "failed") for server in servers.servers.values())  # shut down on exit
     assert "mcp__calc__write_note" in [t["function"]["name"] for t in endpoint.requests[0]["tools"]]
+    assert not any(t["function"]["name"].startswith("mcp__") for t in endpoint.requests[3]["tools"])

@@ -207,8 +207,9 @@ class McpServers:
         except (MCPError, ConnectionError, OSError) as err:
             if server.task is not None:  # a lost connection: let the server's task record why
                 await asyncio.wait([server.task], timeout=1.0)
-            gone = f" (the server is {server.state}: {server.error})" if server.state == "failed" else ""
-            raise McpCallError(f"{tool.qualified} failed: {err}{gone}") from None
+            if server.state == "failed":
+                raise McpCallError(f"{tool.qualified}: no result, MCP server {tool.server} failed: {server.error}") from None
+            raise McpCallError(f"{tool.qualified} failed: {err}") from None
         text = result_text(result)
         if result.is_error:
             raise McpCallError(text or f"{tool.qualified} failed (the server gave no message)")

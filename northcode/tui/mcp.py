@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 class AppMcpServers:
     def __init__(self, app: NorthcodeApp) -> None:
         self.app = app
+        self.ready_once: set[str] = set()  # the servers that were ready at some point (a later failure lost tools)
         self.servers, self.errors = workspace_servers(app.workspace.root, self.on_change)
         app.toolbox.mcp = self.servers  # their tools join the agent's as each server gets ready
 
@@ -38,10 +39,14 @@ class AppMcpServers:
 
     def on_change(self, server: McpServer) -> None:
         if server.state == "ready":
+            self.ready_once.add(server.name)
             notice = Notice(f"MCP server {server.name}: ready, {len(server.tools)} tools (/mcp lists them)")
+        elif server.name in self.ready_once:
+            notice = Notice(f"MCP server {server.name} failed: {server.error}; its tools are gone, the agent goes "
+                            "on without them", "error")
         else:
-            notice = Notice(f"MCP server {server.name} {server.state}: {server.error}; its tools are gone, the "
-                            "agent goes on without them", "error")
+            notice = Notice(f"MCP server {server.name} failed to start: {server.error}; the agent goes on without "
+                            "it", "error")
         self.app.call_later(self.app.add, notice)
 
     def listing(self) -> str:
