@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 Q_BLOCK = 128  # queries per sparse block: the H100/H200 default tile (BLOCK_M 128, BLOCK_N 64 for bf16, D 128)
 
+RECOMPILE_LIMIT = 32  # graphs of the compiled flex_attention per process (chunk kinds x backends x pools x tests)
 _COMPILED = {}  # "flex" -> flex_attention compiled with dynamic shapes, once per process
 
 
@@ -114,11 +115,12 @@ def pool_keys_values(kv_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, page_table: torch.Tensor, start: int,
                             window: int | None, logical_of: torch.Tensor | None = None,
-                            compile: bool | None = None) -> torch.Tensor:
+                            compile: bool | None = None, backend: str = "AUTO") -> torch.Tensor:
     """q [1, Hq, T, D] at positions start .. start + T - 1; kv_pool [2, pages, ps, Hkv, D] holding the row's keys
     0 .. start + T - 1 (this chunk's written); page_table int [P] of this row and layer -> [1, Hq, T, D].
     logical_of: logical_pages(page_table, pages), when the caller shares one across layers. compile: default on
-    a GPU; on the CPU (a test of the page lists through inductor's CPU template) the lists are padded."""
+    a GPU; on the CPU (a test of the page lists through inductor's CPU template) the lists are padded.
+    backend: flex's BACKEND; "AUTO" may take the flex-decoding kernel for T < 128, "TRITON" never does."""
     pages, ps = kv_pool.shape[1], kv_pool.shape[2]
     compile = q.is_cuda if compile is None else compile
     if logical_of is None:
@@ -126,17 +128,23 @@ def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, page_table: 
     keys, values = pool_keys_values(kv_pool)
     mask = paged_block_mask(page_table, logical_of, start, q.shape[2], window, ps, pages * ps,
                             pad_indices=compile and not q.is_cuda)
+    scale = q.shape[-1] ** -0.5
     if not compile:
-        return flex_attention(q, keys, values, block_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=True)
+        return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=True)
     # static heads and head dim (only lengths vary): the flex-decoding kernel, which splits the keys over the SMs,
     # is only chosen for short chunks (T < 128) when the heads are static
     for tensor, dims in ((q, (0, 1, 3)), (keys, (0, 1, 3)), (values, (0, 1, 3)), (kv_pool, (0, 2, 3, 4))):
         for dim in dims:
             torch._dynamo.mark_static(tensor, dim)
+    options = {"BACKEND": backend}
+    if q.is_cuda and ps < 64:  # the kernel's key tile must divide a page (its default on sm_90 is 64)
+        options["BLOCK_N"] = ps
     # no duck sizing: dynamo would give equal sizes one symbol (the query blocks and the KV heads, both 4 at a chunk
-    # of 512), specialise it with the heads, and compile again for every chunk whose block count met another size
-    with fx_config.patch(use_duck_shape=False):
-        return compiled_flex()(q, keys, values, block_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=True)
+    # of 512), specialise it with the heads, and compile again for every chunk whose block count met another size.
+    # Past the recompile limit an error, not dynamo's silent eager fallback (which scores every slot of the pool)
+    with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(
+            recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        return compiled_flex()(q, keys, values, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=options)
 
 
 def dense_visible(page_table: torch.Tensor, start: int, num_queries: int, window: int | None,

@@ -20,6 +20,8 @@ compiled flex_attention may compile), and its largest difference from an fp32 re
                     its own time is the note's "mask")
   flex-paged-big    the same over a pool of BIG_POOL_PAGES (past 2^31 elements, as the eager engine's 68 GB pool):
                     does the template compile and run with 64-bit offsets (the decode template did not, run 29)?
+  flex-paged-triton flex-paged with flex's main kernel forced (BACKEND "TRITON"), short chunks only (T < 128, where
+                    "AUTO" may pick the flex-decoding kernel instead)
 Every way but the flex ones and the -gqa ones repeats K/V to the query heads first, as the prefill does; that copy
 is in the time. FlashInfer is not among them: its PyPI wheel (flashinfer-python 0.7.2.post1, 62 MB, py3-none-any)
 is sources that nvcc compiles on first use (minutes per kernel variant, past a 5-minute device call), and it
@@ -39,15 +41,17 @@ import torch
 import torch.nn.functional as F
 
 WAYS = ("efficient-mask", "efficient-mask-gqa", "efficient-causal", "flash-causal", "flash-causal-gqa", "cudnn-mask",
-        "flex", "flex-paged", "flex-paged-big")
-# (queries, keys, window): a chunk of 2048 on a full layer at 4K and 16K, on a sliding layer (keys from the
-# window's start), and a warm turn of 40 tokens on 4K cached, full and sliding
-SHAPES = ((2048, 4096, None), (2048, 16384, None), (2048, 6144, 4096), (40, 4136, None), (40, 4136, 4096))
+        "flex", "flex-paged", "flex-paged-big", "flex-paged-triton")
+# (queries, keys, window): a chunk of 2048 on a full layer at 4K, 16K and 32K, on a sliding layer (keys from the
+# window's start), a warm turn of 40 tokens on 4K cached, full and sliding, and issue 25's turns: +2K on 20K
+# cached and +32 on 32K (full layers)
+SHAPES = ((2048, 4096, None), (2048, 16384, None), (2048, 32768, None), (2048, 6144, 4096), (40, 4136, None),
+          (40, 4136, 4096), (2048, 22528, None), (32, 32800, None))
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 PAGE_SIZE = 64  # settings.PAGE_SIZE
 POOL_PAGES = 30_000  # 2 x 30001 x 64 x 4 x 128 = 1.97e9 elements (3.9 GB bf16): under 2^31
 BIG_POOL_PAGES = 70_000  # 4.6e9 elements (9.2 GB): past 2^31
-PAGED_WAYS = {"flex-paged": POOL_PAGES, "flex-paged-big": BIG_POOL_PAGES}
+PAGED_WAYS = {"flex-paged": POOL_PAGES, "flex-paged-big": BIG_POOL_PAGES, "flex-paged-triton": POOL_PAGES}
 
 
 def visible(t: int, s: int, window: int | None, device) -> torch.Tensor:
@@ -95,6 +99,7 @@ def flex_way(q, k, v, window: int | None) -> torch.Tensor:
     return _FLEX["fn"](q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
+SHORT_ONLY = "short chunks only"  # way_function's answer for flex-paged-triton; measure decides by T
 _POOLS = {}  # pages -> the paged ways' pool, allocated once per process
 
 
@@ -119,11 +124,11 @@ def paged_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_pages: in
     return q, pool, table, s - q.shape[2]
 
 
-def paged_function(window: int | None) -> Callable:
+def paged_function(window: int | None, backend: str = "AUTO") -> Callable:
     """(q, pool, page_table, start) -> [1, Hq, T, D]: lab/paged_prefill_flex.py's attention (the mask built too)."""
     from paged_prefill_flex import paged_prefill_attention
 
-    return lambda q, pool, table, start: paged_prefill_attention(q, pool, table, start, window)
+    return lambda q, pool, table, start: paged_prefill_attention(q, pool, table, start, window, backend=backend)
 
 
 def mask_function(window: int | None) -> Callable:
@@ -155,6 +160,8 @@ def way_function(name: str, window: int | None) -> Callable | None:
         return lambda q, k, v: sdpa_with(backend, q, k, v, causal_bias=True, gqa=gqa)
     if name == "flex":
         return lambda q, k, v: flex_way(q, k, v, window)
+    if name == "flex-paged-triton":
+        return SHORT_ONLY
     if name in PAGED_WAYS:
         return paged_function(window)
     raise ValueError(f"unknown way {name!r}; choose from {', '.join(WAYS)}")
@@ -198,10 +205,12 @@ def measure(shapes, ways, device, dtype, repeats: int) -> list[dict]:
         want = reference(q, k, v, window)
         for name in ways:
             fn = way_function(name, window)
+            if fn is SHORT_ONLY:
+                fn = paged_function(window, "TRITON") if t < 128 else None
             row = dict(queries=t, keys=s, window=window, way=name, ms=None, first_ms=None, max_diff=None, note="")
             rows.append(row)
             if fn is None:
-                row["note"] = "full layers only"
+                row["note"] = "full layers only" if name != "flex-paged-triton" else SHORT_ONLY
                 continue
             paged = PAGED_WAYS.get(name)
             args = (q, k, v) if paged is None else paged_case(q, k, v, paged)
@@ -235,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
+    # every flex way's graphs share flex_attention's code object: room for them all, and an error past it rather
+    # than dynamo's silent eager fallback (which would time the unfused path)
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     on_gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     shapes = SHAPES if on_gpu else tuple((t // 16 or 4, s // 16, w // 16 if w else None) for t, s, w in SHAPES)

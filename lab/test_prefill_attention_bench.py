@@ -45,28 +45,29 @@ WINDOW, NUM_KEYS = 48, 300  # a window of 3 pages; the row holds 300 keys (19 pa
 CHUNKS = ((299, 1), (262, 37), (87, 20), (100, 200), (130, 140), (0, 300))
 
 
-def _scrambled_row(num_keys=NUM_KEYS, seed=0, evict_before=None):
-    """A pool of 48 pages (+ scratch) holding one row's K/V at random distinct pages: (pool, table int32 [P + 2],
-    keys, values [1, Hkv, S, D]). The table's last two entries are unmapped; with evict_before, the pages wholly
-    before that position are unmapped too (a sliding layer's freed pages) and their slots hold garbage."""
+def _scrambled_row(num_keys=NUM_KEYS, seed=0, evict_before=None, page=PAGE, dim=DIM, pool_pages=48, device="cpu",
+                   dtype=torch.float32):
+    """A pool of pool_pages pages (+ scratch) holding one row's K/V at random distinct pages: (pool, table int32
+    [P + 2], keys, values [1, Hkv, S, D]). The table's last two entries are unmapped; with evict_before, the pages
+    wholly before that position are unmapped too (a sliding layer's freed pages). Slots not written hold garbage."""
     gen = torch.Generator().manual_seed(seed)
-    num_pages = -(-num_keys // PAGE)
-    pool = torch.randn(2, 49, PAGE, KV_HEADS_TINY, DIM, generator=gen) * 100  # garbage everywhere not written
-    table = torch.randperm(48, generator=gen)[:num_pages + 2].to(torch.int32)
+    num_pages = -(-num_keys // page)
+    pool = torch.randn(2, pool_pages + 1, page, KV_HEADS_TINY, dim, generator=gen) * 100
+    table = torch.randperm(pool_pages, generator=gen)[:num_pages + 2].to(torch.int32)
     table[num_pages:] = -1
-    keys, values = (torch.randn(1, KV_HEADS_TINY, num_keys, DIM, generator=gen) for _ in range(2))
-    for pos in range(num_keys):
-        page = table[pos // PAGE]
-        pool[0, page, pos % PAGE], pool[1, page, pos % PAGE] = keys[0, :, pos], values[0, :, pos]
+    keys, values = (torch.randn(1, KV_HEADS_TINY, num_keys, dim, generator=gen).to(dtype).float() for _ in range(2))
+    slots = table[torch.arange(num_keys) // page].long() * page + torch.arange(num_keys) % page
+    for half, kv in enumerate((keys, values)):
+        pool[half].view(-1, KV_HEADS_TINY, dim)[slots] = kv[0].transpose(0, 1)
     if evict_before is not None:
-        table[:evict_before // PAGE] = -1
-    return pool, table, keys, values
+        table[:evict_before // page] = -1
+    return pool.to(device, dtype), table.to(device), keys.to(device), values.to(device)
 
 
 def _reference(q, keys, values, start, window):
     """fp32 attention of q [1, Hq, T, D] at positions start.. over keys 0 .. start + T - 1 (model.attention_mask)."""
     end = start + q.shape[2]
-    mask = visible(q.shape[2], end, window, "cpu")
+    mask = visible(q.shape[2], end, window, q.device)
     rep = lambda t: t[:, :, :end].repeat_interleave(HEADS_TINY // KV_HEADS_TINY, dim=1)  # noqa: E731
     return torch.nn.functional.scaled_dot_product_attention(q, rep(keys), rep(values), attn_mask=mask)
 
@@ -125,3 +126,29 @@ def test_the_bench_runs_the_paged_ways_on_the_cpu():
     rows = measure(((8, 64, None), (8, 64, 32), (3, 70, None)), ["flex-paged", "flex-paged-big"], "cpu",
                    torch.float32, repeats=1)
     assert all(r["max_diff"] < 1e-4 and r["first_ms"] is not None and r["note"].startswith("mask ") for r in rows), rows
+
+
+def test_the_triton_way_is_for_short_chunks():
+    rows = measure(((8, 64, None), (200, 300, None)), ["flex-paged-triton"], "cpu", torch.float32, repeats=1)
+    assert rows[0]["max_diff"] < 1e-4 and rows[1]["note"] == "short chunks only", rows
+
+
+GPU_PAGE, GPU_DIM, GPU_WINDOW, GPU_KEYS = 64, 128, 256, 1000  # the product's page and head dim; a window of 4 pages
+GPU_CHUNKS = ((999, 1), (900, 37), (100, 200), (300, 700), (600, 130), (0, 1000), (200, 40))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["AUTO", "TRITON"])
+def test_on_the_gpu_the_compiled_paged_way_equals_fp32_attention(backend):
+    """bf16 through the compiled Triton kernel (its page lists, the decoding kernel where AUTO takes it) against fp32
+    attention on the same bf16 inputs, North Mini Code's heads, a scrambled pool of 64-token pages."""
+    gen = torch.Generator().manual_seed(3)
+    for window in (None, GPU_WINDOW):
+        for start, num_queries in GPU_CHUNKS:
+            evict = None if window is None else max(0, start - window)
+            pool, table, keys, values = _scrambled_row(GPU_KEYS, evict_before=evict, page=GPU_PAGE, dim=GPU_DIM,
+                                                       pool_pages=64, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(1, HEADS_TINY, num_queries, GPU_DIM, generator=gen).to("cuda", torch.bfloat16)
+            got = paged_prefill_attention(q, pool, table, start, window, backend=backend).float()
+            want = _reference(q.float(), keys, values, start, window)
+            assert (got - want).abs().max().item() < 2e-2, (start, num_queries, window)
