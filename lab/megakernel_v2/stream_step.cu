@@ -48,19 +48,7 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef RG
 #define RG 4
 #endif
-// ATTN2: attention's split partial summed warp by warp without shared atomics (S = q K^T is in two mma chains always).
-#ifndef ATTN2
-#define ATTN2 1
-#endif
-// ATTN6: attention's warps split the head dimension for P V (consume_attn6): no sum over warps.
-#ifndef ATTN6
-#define ATTN6 0
-#endif
-// MERGE1: the split merge in one pass (a warp a head; every split's m, l and values loaded together, combined online).
-#ifndef MERGE1
-#define MERGE1 0
-#endif
-// ATTN3: the producer reads 8 block-table entries at once, and the split merge has a chunk's loads in flight together.
+// ATTN3: the producer reads 8 block-table entries at once.
 #ifndef ATTN3
 #define ATTN3 1
 #endif
@@ -274,8 +262,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Dynamic shared memory: the fixed part, then h and act sized for the batch, then as many 16 KB ring stages as fit.
 struct Smem {
   float red[2][kConsumers][64 * RG];  // per-group partials of the 8 warps, RG groups at a time
-  float attn[GROUP][HD + 2];     // attention: the block's (O, m, l) per query head; merge: weights
-  float warp_m[kConsumers][GROUP];
   uint64_t full[kMaxStages], empty[kMaxStages];
   uint64_t sig_full[kSig], sig_empty[kSig];
   int sig_ctr[kSig], sig_k, sig_phase;  // the queue's counters, and the consumers' position in it
@@ -721,8 +707,55 @@ __device__ void consume_oproj(const Params& p, Smem& s, Stream& st, const Task& 
 }
 
 // Top-k of every row's router logits, the distinct experts as slots (ascending), and each (slot, row) weight.
+// TOPK1: in one pass: thread e of each half ranks expert e's logit in its rows (ties to the lower index) against
+// the row in shared memory, and keeps its weight where the rank is below TOPK (-1 elsewhere); no serial rounds.
+#ifndef TOPK1
+#define TOPK1 0
+#endif
 __device__ void topk(const Params& p, Smem& s, const Task& t) {
   const int l = t.layer, tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32;
+#if TOPK1
+  static_assert(kConsumers * 32 == 2 * E && MAXB * E <= kConsumers * 64 * RG, "TOPK1: two halves of E threads");
+  float* logit = s.red[0][0];   // [B][E]
+  float* pick = s.red[1][0];    // [B][E]: the weight of (row, expert), -1 where not chosen
+  for (int i = tid; i < p.batch * E; i += kConsumers * 32) logit[i] = __ldcg(&p.router[i]);
+  consumer_sync();
+  {
+    const int e = tid % E;
+    for (int b = tid / E; b < p.batch; b += 2) {
+      const float* row = logit + b * E;
+      const float v = row[e];
+      int rank = 0;
+#pragma unroll 16
+      for (int j = 0; j < E; ++j) {
+        const float u = row[j];
+        rank += (u > v) | ((u == v) & (j < e));
+      }
+      pick[b * E + e] = rank < TOPK ? 1.f / (1.f + __expf(-v)) : -1.f;
+    }
+  }
+  consumer_sync();
+  bool used = false;
+  if (tid < E)
+    for (int b = 0; b < p.batch; ++b) used |= pick[b * E + tid] >= 0.f;
+  const unsigned ballot = __ballot_sync(0xffffffffu, used);
+  int* warp_count = reinterpret_cast<int*>(s.red[1][0]) + MAXB * E;
+  if (lane == 0 && warp < E / 32) warp_count[warp] = __popc(ballot);
+  consumer_sync();
+  int* slots = p.slots + l * (1 + MAX_SLOTS);
+  float* w = p.slot_w + (size_t)l * MAX_SLOTS * p.batch;
+  if (used) {
+    int rank = __popc(ballot & ((1u << lane) - 1));
+    for (int k = 0; k < warp; ++k) rank += warp_count[k];
+    slots[1 + rank] = tid;
+    for (int b = 0; b < p.batch; ++b) w[rank * p.batch + b] = fmaxf(pick[b * E + tid], 0.f);
+  }
+  if (tid == 0) {
+    int n = 0;
+    for (int k = 0; k < E / 32; ++k) n += warp_count[k];
+    slots[0] = n;
+  }
+#else
   int* chosen = reinterpret_cast<int*>(s.red[0]);           // [B][TOPK]
   float* weight = reinterpret_cast<float*>(s.red[1]);       // [B][TOPK]
   for (int b = warp; b < p.batch; b += kConsumers) {
@@ -772,6 +805,7 @@ __device__ void topk(const Params& p, Smem& s, const Task& t) {
     for (int k = 0; k < E / 32; ++k) n += warp_count[k];
     slots[0] = n;
   }
+#endif
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
@@ -889,15 +923,13 @@ __device__ __forceinline__ unsigned kv_addr(const unsigned char* page, int tok, 
   return smem_u32(page + tok * 256 + hf * 128 + ((c ^ ((2 * tok + hf) % 8)) << 4));
 }
 
-// The splits' (O, m, l) -> attn_out: warp h weighs head h's splits (lanes over splits), then every thread sums
-// its outputs over the splits with the loads in flight together.
+// The splits' (O, m, l) -> attn_out in one pass: warp w merges head w, each lane 4 consecutive dims; a chunk's loads
+// (every split's m, l and 4 values) are issued together, then combined online (the running sums rescaled when the
+// max grows).
 __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
   const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, splits = t.a[3];
   const float* part = p.part + ((size_t)(b * KVH + kvh) * MAX_SPLITS) * GROUP * (HD + 2);
-#if MERGE1
-  // one pass: warp w merges head w, each lane 4 consecutive dims; a chunk's loads (every split's m, l and 4
-  // values) are issued together, then combined online (the running sums rescaled when the max grows)
-  static_assert(kConsumers == GROUP && HD == 4 * 32, "MERGE1: a warp a head, 4 dims a lane");
+  static_assert(kConsumers == GROUP && HD == 4 * 32, "merge: a warp a head, 4 dims a lane");
   constexpr int kChunk = 8;
   const int hq = warp, d0 = 4 * lane;
   float run_m = -INFINITY, den = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -934,64 +966,6 @@ __device__ void merge_splits(const Params& p, Smem& s, const Task& t) {
   out.x = pack_bf16(acc[0] * inv, acc[1] * inv);
   out.y = pack_bf16(acc[2] * inv, acc[3] * inv);
   *reinterpret_cast<uint2*>(&p.attn_out[b * QSIZE + (kvh * GROUP + hq) * HD + d0]) = out;
-#else
-  float* wts = &s.attn[0][0];  // [GROUP][MAX_SPLITS], then den [GROUP]
-  float m[2], l[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int sp = lane + 32 * i;
-    m[i] = sp < splits ? __ldcg(&part[(sp * GROUP + warp) * (HD + 2) + HD]) : -INFINITY;
-    l[i] = sp < splits ? __ldcg(&part[(sp * GROUP + warp) * (HD + 2) + HD + 1]) : 0.f;
-  }
-  float mx = fmaxf(m[0], m[1]);
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float den = 0.f;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float w = m[i] == -INFINITY ? 0.f : exp2f(m[i] - mx);
-    if (lane + 32 * i < MAX_SPLITS) wts[warp * MAX_SPLITS + lane + 32 * i] = w;
-    den += w * l[i];
-  }
-  den = warp_sum(den);
-  if (lane == 0) wts[GROUP * MAX_SPLITS + warp] = den;
-  consumer_sync();
-  static_assert(GROUP * HD % (kConsumers * 32) == 0, "merge: whole rounds");
-  constexpr int kPer = GROUP * HD / (kConsumers * 32);  // outputs a thread merges
-#if ATTN3
-  // every load of an 8-split chunk in flight at once: kPer x 8 L2 reads, then the sums
-  float acc[kPer] = {};
-  for (int sp0 = 0; sp0 < splits; sp0 += 8) {
-    float v[kPer][8];
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      const int i = tid + e * kConsumers * 32, hq = i / HD, d = i % HD;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        v[e][j] = sp0 + j < splits ? __ldcg(&part[((sp0 + j) * GROUP + hq) * (HD + 2) + d]) : 0.f;
-    }
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      const int hq = (tid + e * kConsumers * 32) / HD;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[e] += sp0 + j < splits ? wts[hq * MAX_SPLITS + sp0 + j] * v[e][j] : 0.f;
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const int i = tid + e * kConsumers * 32, hq = i / HD, d = i % HD;
-    p.attn_out[b * QSIZE + (kvh * GROUP + hq) * HD + d] = __float2bfloat16(acc[e] / wts[GROUP * MAX_SPLITS + hq]);
-  }
-#else
-#pragma unroll
-  for (int i = tid; i < GROUP * HD; i += kConsumers * 32) {
-    const int hq = i / HD, d = i % HD;
-    float acc = 0.f;
-#pragma unroll 16
-    for (int sp = 0; sp < splits; ++sp) acc += wts[hq * MAX_SPLITS + sp] * __ldcg(&part[(sp * GROUP + hq) * (HD + 2) + d]);
-    p.attn_out[b * QSIZE + (kvh * GROUP + hq) * HD + d] = __float2bfloat16(acc / wts[GROUP * MAX_SPLITS + hq]);
-  }
-#endif
-#endif  // MERGE1
 }
 
 // After the split's partial is in p.part (and a consumer_sync): its ticket; the last split merges and signals.
@@ -1050,100 +1024,15 @@ __device__ __forceinline__ void page_scores(Smem& s, Stream& st, const unsigned 
   s1 = (tok + 1 < len && tok + 1 >= lo_tok) ? (sc[1] + sc2[1]) * scale : -INFINITY;
 }
 
-__device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t) {
-  const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-  wait_for(p, t.wait, t.target);
-  unsigned qa[HD / 16][2];
-  load_q(p, s, t, qa);
-  int first, last;
-  split_pages(p, t, first, last);
-  const int len = p.context + 1, lo_tok = t.a[4] ? max(0, len - WINDOW) : 0;
-  float m = -INFINITY, l = 0.f, o[HD / 8][4] = {};
-  for (int pg = first; pg < last; ++pg) {
-    float s0, s1;
-    page_scores(s, st, qa, pg, len, lo_tok, s0, s1);
-    float mx = fmaxf(s0, s1);
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx);
-    const float corr = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
-    const float p0 = m_new == -INFINITY ? 0.f : exp2f(s0 - m_new), p1 = m_new == -INFINITY ? 0.f : exp2f(s1 - m_new);
-    l = l * corr + p0 + p1;
-    m = m_new;
-    const unsigned pa = pack_bf16(p0, p1);
-    const int k = st.k;
-    mbar_wait(&s.full[k], st.phase);
-    const unsigned char* vpage = sm_ring(s) + (size_t)k * kStageBytes;
-#pragma unroll
-    for (int n = 0; n < HD / 8; n += 4) {  // O += P V over the warp's 8 tokens
-      unsigned vb[4];
-      ldsm_x4_t(vb, kv_addr(vpage, 8 * warp + lane % 8, 8 * (n + lane / 8)));
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[n + q][e] *= corr;
-        mma(o[n + q], pa, 0u, vb[q], vb[q]);
-      }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&s.empty[k]);
-    st.advance(s.stages);
-  }
-  mark(p, 1);  // the pages done
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  // warp partials -> the split's (O, m, l) per query head: M = the warps' max, then each warp adds its scaled share
-#if ATTN2
-  // in turn, warp by warp (a shared-memory float atomicAdd is a CAS loop, and all 8 warps hit the same words)
-  if (c == 0) s.warp_m[warp][g] = m;
-  consumer_sync();
-  float mm = -INFINITY;
-  for (int w = 0; w < kConsumers; ++w) mm = fmaxf(mm, s.warp_m[w][g]);
-  const float f = m == -INFINITY ? 0.f : exp2f(m - mm);
-  for (int w = 0; w < kConsumers; ++w) {
-    if (warp == w) {
-#pragma unroll
-      for (int n = 0; n < HD / 8; ++n) {
-        float* dst = &s.attn[g][8 * n + 2 * c];
-        dst[0] = (w ? dst[0] : 0.f) + f * o[n][0];
-        dst[1] = (w ? dst[1] : 0.f) + f * o[n][1];
-      }
-      if (c == 0) s.attn[g][HD + 1] = (w ? s.attn[g][HD + 1] : 0.f) + f * l;
-      if (c == 0 && w == 0) s.attn[g][HD] = mm;
-    }
-    consumer_sync();
-  }
-#else
-  if (c == 0) s.warp_m[warp][g] = m;
-  for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) (&s.attn[0][0])[i] = 0.f;
-  consumer_sync();
-  float mm = -INFINITY;
-  for (int w = 0; w < kConsumers; ++w) mm = fmaxf(mm, s.warp_m[w][g]);
-  const float f = m == -INFINITY ? 0.f : exp2f(m - mm);
-  for (int n = 0; n < HD / 8; ++n) {
-    atomicAdd(&s.attn[g][8 * n + 2 * c], f * o[n][0]);
-    atomicAdd(&s.attn[g][8 * n + 2 * c + 1], f * o[n][1]);
-  }
-  if (c == 0) atomicAdd(&s.attn[g][HD + 1], f * l);
-  if (c == 0 && warp == 0) s.attn[g][HD] = mm;
-  consumer_sync();
-#endif
-  mark(p, 2);  // the warps' partials summed
-  float* part = p.part + (((size_t)(b * KVH + kvh) * MAX_SPLITS + t.a[2]) * GROUP) * (HD + 2);
-  for (int i = tid; i < GROUP * (HD + 2); i += kConsumers * 32) part[i] = (&s.attn[0][0])[i];
-  consumer_sync();
-  finish_split(p, s, t);
-}
-
-// ATTN6: the warps split the head dimension for P V instead of the tokens. Each warp computes S for its 8 tokens of a
+// Attention of one split: the warps split the head dimension for P V, not the tokens. Each warp computes S for its 8 tokens of a
 // page; the page's maxima and P (bf16) go through shared memory (s.red, free during attention); then each warp
 // accumulates O for its 16 of the 128 dims over all 64 tokens. Every warp keeps the same running max, so the
 // split's partial needs no sum over warps: each warp writes its own dims.
-__device__ void consume_attn6(const Params& p, Smem& s, Stream& st, const Task& t) {
+__device__ void consume_attn(const Params& p, Smem& s, Stream& st, const Task& t) {
   const int b = t.a[0], kvh = t.a[1], tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   constexpr int kPS = PAGE + 8;  // P's row stride in bf16: 144 bytes, so ldmatrix's 8 rows fall on different banks
-  static_assert(kConsumers * 16 == HD && kConsumers * 8 == PAGE, "ATTN6: 8 warps, 16 dims and 8 tokens each");
-  static_assert(sizeof(s.red) >= 2 * (GROUP * kPS * 2 + GROUP * kConsumers * 4) + GROUP * kConsumers * 4, "ATTN6: scratch");
+  static_assert(kConsumers * 16 == HD && kConsumers * 8 == PAGE, "attention: 8 warps, 16 dims and 8 tokens each");
+  static_assert(sizeof(s.red) >= 2 * (GROUP * kPS * 2 + GROUP * kConsumers * 4) + GROUP * kConsumers * 4, "attention: scratch");
   unsigned char* scratch = reinterpret_cast<unsigned char*>(&s.red[0][0][0]);
   float* lsum = reinterpret_cast<float*>(scratch + 2 * (GROUP * kPS * 2 + GROUP * kConsumers * 4));  // [warp][head]
   wait_for(p, t.wait, t.target);
@@ -1295,7 +1184,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
       case T_ROUTER: consume_router(p, s, st, t); break;
       case T_UP: consume_up(p, s, st, t); break;
       case T_DOWN: consume_down(p, s, st, t); break;
-      case T_ATTN: if (ATTN6) consume_attn6(p, s, st, t); else consume_attn(p, s, st, t); break;
+      case T_ATTN: consume_attn(p, s, st, t); break;
       case T_OPROJ: consume_oproj(p, s, st, t); break;
       case T_DRAIN: consume_drain(p, s, st, t); break;
       case T_LM: consume_lm(p, s, st, t, t.a[2]); break;
@@ -1716,6 +1605,29 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   double experts = 0;
   for (int l = 1; l < layers; ++l) experts += slots[l * (1 + MAX_SLOTS)];
 
+  // top-k against the host: layer 48's slots and weights from the router logits the step left (layer 48's)
+  int topk_bad = 0;
+  if (layers == LAYERS) {
+    std::vector<float> logits((size_t)batch * E), sw((size_t)MAX_SLOTS * batch);
+    CK(cudaMemcpy(logits.data(), p.router, logits.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(sw.data(), p.slot_w + (size_t)48 * MAX_SLOTS * batch, sw.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<float> want((size_t)E * batch, 0.f);  // [expert][row]
+    for (int b = 0; b < batch; ++b)
+      for (int e = 0; e < E; ++e) {
+        int rank = 0;
+        for (int j = 0; j < E; ++j) {
+          const float u = logits[b * E + j], v = logits[b * E + e];
+          rank += u > v || (u == v && j < e);
+        }
+        if (rank < TOPK) want[(size_t)e * batch + b] = 1.f / (1.f + expf(-logits[b * E + e]));
+      }
+    const int* ls = &slots[48 * (1 + MAX_SLOTS)];
+    std::vector<float> got((size_t)E * batch, 0.f);
+    for (int k = 0; k < ls[0]; ++k)
+      for (int b = 0; b < batch; ++b) got[(size_t)ls[1 + k] * batch + b] = sw[(size_t)k * batch + b];
+    for (size_t i = 0; i < got.size(); ++i) topk_bad += fabsf(got[i] - want[i]) > 1e-5f;
+  }
+
   // attention against the host: layer 48 (a full layer, the last to write q and attn_out) for row 0, every head,
   // from the device's q and the pool's pages; up to 32K (the pages are copied one by one)
   double attn_err = -1;
@@ -1787,10 +1699,10 @@ static void run_config(int sms, const Weights& w, const Config& cfg, int steps, 
   if (cfg.drain)
     snprintf(lay + strlen(lay), sizeof lay - strlen(lay), " t%d/%d/%d", cfg.up_pairs, cfg.down_groups, cfg.o_groups);
   if (layers != LAYERS) snprintf(lay + strlen(lay), sizeof lay - strlen(lay), "=%d", layers);
-  printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %.1e | %d | %.2f |\n", batch, lay,
+  printf("| %d%s%s | %6d | %7.3f | %7.1f | %5.2f | %4.2f | %5.1f%% | %5.1f%% | %5.1f | %.1e | %.1e | %d | %d | %.2f |\n", batch, lay,
          no_wait == 2 ? " no-load" : no_wait ? " no-wait" : "", context, ms,
          batch * 1000.0 / ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12, 100.0 * bytes / 4.8e12 / (ms * 1e-3),
-         100.0 * bytes / copy_bw / (ms * 1e-3), layers > 1 ? experts / (layers - 1) : 0.0, sqrt(err / ref2), attn_err, out[0], ghz);
+         100.0 * bytes / copy_bw / (ms * 1e-3), layers > 1 ? experts / (layers - 1) : 0.0, sqrt(err / ref2), attn_err, topk_bad, out[0], ghz);
   fflush(stdout);
   for (void* ptr : {(void*)kpool, (void*)vpool, (void*)d_tasks, (void*)d_start, (void*)d_tables, (void*)d_tokens,
                     (void*)p.counters, (void*)p.x, (void*)p.qkv, (void*)p.router, (void*)p.slots, (void*)p.slot_w,
@@ -1814,7 +1726,7 @@ int main(int argc, char** argv) {
   const double bw = measure_copy(sms, w.gate_up, w.gate_up + ((size_t)8 << 30));
   printf("copy bandwidth %.2f TB/s (read + written), %d SMs; ring stages B=1 %d, B=8 %d\n", bw / 1e12, sms, ring_stages(1),
          ring_stages(8));
-  printf("| B | context | ms/step | tok/s | GB/step | TB/s | SoL 4.8 | SoL copy | experts/layer | q rel err | attn rel err | token | SM GHz |\n");
+  printf("| B | context | ms/step | tok/s | GB/step | TB/s | SoL 4.8 | SoL copy | experts/layer | q rel err | attn rel err | top-k bad | token | SM GHz |\n");
   printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int i = 2; i < argc; ++i) {
     Config c;
