@@ -6,14 +6,15 @@
 #   attention  lab/prefill_attention_bench.py: one layer's attention for a chunk, by kernel: today's (the
 #              memory-efficient kernel with a mask; causal without one, efficient and flash), flex over contiguous
 #              K/V, and flex reading the paged pool in place (lab/paged_prefill_flex.py) over a pool under 2^31
-#              elements and one past it, and with the main kernel forced for short chunks
+#              elements and one past it, and with the main kernel forced for chunks of <= 16 tokens
 #   moe        lab/moe_prefill_bench.py: the routed experts of one layer by part at T = 2048, 8192, 16384 against
 #              plain bf16 GEMMs of the same FLOPs
 #   engine16k  `bench engine` cold 16K prompt, torch backend (TTFT cold, +32 warm, decode at 8K, batch 1)
 #   engine32k  the same at 32K. Both with NORTHCODE_TORCH_COMPILE=0: the compiled decode step's warm-up (~150 s of
 #              bucket compiles) would not fit, and the prefill is not compiled either way
 #   tests      the GPU tests that prefill (tests/gpu/test_engine_gpu.py: chunked paged prefill against the
-#              reference) and the paged way's GPU test (bf16 against fp32, scrambled pages, AUTO and TRITON)
+#              reference) and the paged way's GPU test (bf16 against fp32, scrambled pages; flex's decoding kernel
+#              where decoding_backend allows it, and the main kernel forced)
 set -u
 OUT=${OUT:-/tmp/nc-out}
 mkdir -p "$OUT"

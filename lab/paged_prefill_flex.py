@@ -92,8 +92,9 @@ def paged_block_mask(page_table: torch.Tensor, logical_of: torch.Tensor, start: 
     if pad_indices:
         width = num_slots // page_size
         indices, full_indices = (F.pad(t, (0, width - t.shape[1])) for t in (indices, full_indices))
-    offset = torch.tensor(start, device=device)
-    limit = torch.tensor(window if window is not None else start + num_queries + 1, device=device)
+    # int32 as the kernel's q_idx, kv_idx and logical_of: no int64/int32 mix in the generated code
+    offset = torch.tensor(start, dtype=torch.int32, device=device)
+    limit = torch.tensor(window if window is not None else start + num_queries + 1, dtype=torch.int32, device=device)
 
     def visible(b, h, q_idx, kv_idx):
         logical = logical_of[kv_idx // page_size]
@@ -115,12 +116,12 @@ def pool_keys_values(kv_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, page_table: torch.Tensor, start: int,
                             window: int | None, logical_of: torch.Tensor | None = None,
-                            compile: bool | None = None, backend: str = "AUTO") -> torch.Tensor:
+                            compile: bool | None = None, backend: str | None = None) -> torch.Tensor:
     """q [1, Hq, T, D] at positions start .. start + T - 1; kv_pool [2, pages, ps, Hkv, D] holding the row's keys
     0 .. start + T - 1 (this chunk's written); page_table int [P] of this row and layer -> [1, Hq, T, D].
     logical_of: logical_pages(page_table, pages), when the caller shares one across layers. compile: default on
     a GPU; on the CPU (a test of the page lists through inductor's CPU template) the lists are padded.
-    backend: flex's BACKEND; "AUTO" may take the flex-decoding kernel for T < 128, "TRITON" never does."""
+    backend: flex's BACKEND; None: decoding_backend's choice."""
     pages, ps = kv_pool.shape[1], kv_pool.shape[2]
     compile = q.is_cuda if compile is None else compile
     if logical_of is None:
@@ -136,7 +137,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, page_table: 
     for tensor, dims in ((q, (0, 1, 3)), (keys, (0, 1, 3)), (values, (0, 1, 3)), (kv_pool, (0, 2, 3, 4))):
         for dim in dims:
             torch._dynamo.mark_static(tensor, dim)
-    options = {"BACKEND": backend}
+    options = {"BACKEND": backend or decoding_backend(q.shape[2], q.shape[1] // keys.shape[1])}
     if q.is_cuda and ps < 64:  # the kernel's key tile must divide a page (its default on sm_90 is 64)
         options["BLOCK_N"] = ps
     # no duck sizing: dynamo would give equal sizes one symbol (the query blocks and the KV heads, both 4 at a chunk
@@ -145,6 +146,15 @@ def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, page_table: 
     with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(
             recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
         return compiled_flex()(q, keys, values, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=options)
+
+
+def decoding_backend(num_queries: int, group: int) -> str:
+    """flex's BACKEND for a chunk: "AUTO" (which takes the flex-decoding kernel, keys split over the SMs, for
+    T < 128 with static heads) only where that kernel can run: it packs the T x group query rows of a KV head into
+    one tile of next_pow2(T * group) rows, which must divide the mask's Q_BLOCK (torch's flex_decoding.py skips
+    every config otherwise, and the compile fails): T <= 16 at North Mini Code's group of 8. Else "TRITON", the
+    main kernel (one query block of one head per program)."""
+    return "AUTO" if num_queries * group <= Q_BLOCK else "TRITON"
 
 
 def dense_visible(page_table: torch.Tensor, start: int, num_queries: int, window: int | None,

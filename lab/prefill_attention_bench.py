@@ -20,8 +20,8 @@ compiled flex_attention may compile), and its largest difference from an fp32 re
                     its own time is the note's "mask")
   flex-paged-big    the same over a pool of BIG_POOL_PAGES (past 2^31 elements, as the eager engine's 68 GB pool):
                     does the template compile and run with 64-bit offsets (the decode template did not, run 29)?
-  flex-paged-triton flex-paged with flex's main kernel forced (BACKEND "TRITON"), short chunks only (T < 128, where
-                    "AUTO" may pick the flex-decoding kernel instead)
+  flex-paged-triton flex-paged with flex's main kernel forced (BACKEND "TRITON") for chunks of T <= 16, where
+                    flex-paged lets flex take its decoding kernel (paged_prefill_flex.decoding_backend)
 Every way but the flex ones and the -gqa ones repeats K/V to the query heads first, as the prefill does; that copy
 is in the time. FlashInfer is not among them: its PyPI wheel (flashinfer-python 0.7.2.post1, 62 MB, py3-none-any)
 is sources that nvcc compiles on first use (minutes per kernel variant, past a 5-minute device call), and it
@@ -43,10 +43,10 @@ import torch.nn.functional as F
 WAYS = ("efficient-mask", "efficient-mask-gqa", "efficient-causal", "flash-causal", "flash-causal-gqa", "cudnn-mask",
         "flex", "flex-paged", "flex-paged-big", "flex-paged-triton")
 # (queries, keys, window): a chunk of 2048 on a full layer at 4K, 16K and 32K, on a sliding layer (keys from the
-# window's start), a warm turn of 40 tokens on 4K cached, full and sliding, and issue 25's turns: +2K on 20K
-# cached and +32 on 32K (full layers)
+# window's start), a warm turn of 40 tokens on 4K cached, full and sliding, issue 25's turns: +2K on 20K
+# cached and +32 on 32K (full layers), and +8 on 32K (where flex may take its decoding kernel)
 SHAPES = ((2048, 4096, None), (2048, 16384, None), (2048, 32768, None), (2048, 6144, 4096), (40, 4136, None),
-          (40, 4136, 4096), (2048, 22528, None), (32, 32800, None))
+          (40, 4136, 4096), (2048, 22528, None), (32, 32800, None), (8, 32776, None))
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 PAGE_SIZE = 64  # settings.PAGE_SIZE
 POOL_PAGES = 30_000  # 2 x 30001 x 64 x 4 x 128 = 1.97e9 elements (3.9 GB bf16): under 2^31
@@ -100,6 +100,7 @@ def flex_way(q, k, v, window: int | None) -> torch.Tensor:
 
 
 SHORT_ONLY = "short chunks only"  # way_function's answer for flex-paged-triton; measure decides by T
+SHORT_QUERIES = 16  # flex-paged-triton's chunks: those where flex-paged may take the decoding kernel
 _POOLS = {}  # pages -> the paged ways' pool, allocated once per process
 
 
@@ -124,7 +125,7 @@ def paged_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_pages: in
     return q, pool, table, s - q.shape[2]
 
 
-def paged_function(window: int | None, backend: str = "AUTO") -> Callable:
+def paged_function(window: int | None, backend: str | None = None) -> Callable:
     """(q, pool, page_table, start) -> [1, Hq, T, D]: lab/paged_prefill_flex.py's attention (the mask built too)."""
     from paged_prefill_flex import paged_prefill_attention
 
@@ -206,7 +207,7 @@ def measure(shapes, ways, device, dtype, repeats: int) -> list[dict]:
         for name in ways:
             fn = way_function(name, window)
             if fn is SHORT_ONLY:
-                fn = paged_function(window, "TRITON") if t < 128 else None
+                fn = paged_function(window, "TRITON") if t <= SHORT_QUERIES else None
             row = dict(queries=t, keys=s, window=window, way=name, ms=None, first_ms=None, max_diff=None, note="")
             rows.append(row)
             if fn is None:

@@ -133,14 +133,21 @@ def test_the_triton_way_is_for_short_chunks():
     assert rows[0]["max_diff"] < 1e-4 and rows[1]["note"] == "short chunks only", rows
 
 
+def test_flex_may_take_its_decoding_kernel_only_where_a_kv_heads_queries_fit_one_query_block():
+    from paged_prefill_flex import decoding_backend
+
+    assert [decoding_backend(t, 8) for t in (1, 16, 17, 40, 2048)] == ["AUTO", "AUTO", "TRITON", "TRITON", "TRITON"]
+
+
 GPU_PAGE, GPU_DIM, GPU_WINDOW, GPU_KEYS = 64, 128, 256, 1000  # the product's page and head dim; a window of 4 pages
-GPU_CHUNKS = ((999, 1), (900, 37), (100, 200), (300, 700), (600, 130), (0, 1000), (200, 40))
+GPU_CHUNKS = ((999, 1), (992, 8), (500, 16), (900, 37), (100, 200), (300, 700), (600, 130), (0, 1000), (200, 40))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["AUTO", "TRITON"])
+@pytest.mark.parametrize("backend", [None, "TRITON"])
 def test_on_the_gpu_the_compiled_paged_way_equals_fp32_attention(backend):
-    """bf16 through the compiled Triton kernel (its page lists, the decoding kernel where AUTO takes it) against fp32
+    """bf16 through the compiled Triton kernels (their page lists; the decoding kernel where decoding_backend lets flex
+    take it, T <= 16, and the main kernel forced everywhere) against fp32
     attention on the same bf16 inputs, North Mini Code's heads, a scrambled pool of 64-token pages."""
     gen = torch.Generator().manual_seed(3)
     for window in (None, GPU_WINDOW):
