@@ -11,7 +11,7 @@ The kernel sees physical slots, so mask_mod maps a slot's page back to its logic
 (physical page -> logical page of this row; every physical page holds one (layer, logical block), shared
 prefixes at the same logical index, so one map serves every layer and row of a chunk).
 On a GPU flex_attention is compiled once with dynamic shapes (a new chunk length or context is not a new
-kernel; chunks of one query block, T <= Q_BLOCK, get a second graph, T = 1 likely a third). On the CPU it runs
+kernel; graphs per kind of chunk: T = 1, T <= 16 (decoding_backend), T <= Q_BLOCK, longer). On the CPU it runs
 eagerly by default, the math path, which evaluates mask_mod over every slot and ignores the page lists; the
 tests check the lists through `dense_visible` (what the GPU kernel computes from them) and through inductor's
 CPU template (compile=True), which reads them as the GPU's does.
@@ -66,6 +66,7 @@ def chunk_page_lists(page_table: torch.Tensor, start: int, num_queries: int, win
         lo_page = (q_lo - window + 1).clamp(min=0) // ps
         full_lo = -(-(q_hi - window + 1).clamp(min=0) // ps)  # full pages start where every key is in every window
         span = min(end_page, (q_block + window - 2) // ps + 2)  # pages a block can see at most
+    span = max(span, 2)  # a width of 1 (a prompt of one page) would be specialised by dynamo: a compile of its own
     candidate = lo_page[:, None] + torch.arange(span, device=device)  # [Qb, span] logical pages
     in_range = candidate <= hi_page[:, None]
     physical = page_table[candidate.clamp(max=page_table.shape[0] - 1)].to(torch.int32)
