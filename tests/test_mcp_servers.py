@@ -19,7 +19,8 @@ from mcp.types import ImageContent, TextContent, ToolAnnotations
 TESTS = Path(__file__).resolve().parent
 
 
-def build_server() -> MCPServer:
+def build_server(notes: list[str]) -> MCPServer:
+    """The test's server; write_note appends to `notes`."""
     server = MCPServer("calc", log_level="ERROR")
 
     @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
@@ -29,10 +30,14 @@ def build_server() -> MCPServer:
 
     @server.tool()
     def write_note(text: str) -> str:
-        """Append a line to notes.txt in the server's folder."""
-        with open("notes.txt", "a") as notes:
-            notes.write(text + "\n")
-        return f"noted in {os.getcwd()}"
+        """Keep a note."""
+        notes.append(text)
+        return f"noted: {text}"
+
+    @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    def cwd() -> str:
+        """The server's working folder."""
+        return os.getcwd()
 
     @server.tool()
     def picture() -> list:
@@ -58,7 +63,7 @@ def build_server() -> MCPServer:
 
 
 if __name__ == "__main__":  # the stdio server: python tests/test_mcp_servers.py
-    build_server().run("stdio")
+    build_server([]).run("stdio")
     sys.exit(0)
 
 import pytest  # noqa: E402
@@ -69,7 +74,7 @@ from northcode.agent.approvals import Approvals, Decision, Mode  # noqa: E402
 from northcode.agent.client import ChatClient  # noqa: E402
 from northcode.agent.loop import Agent  # noqa: E402
 from northcode.agent.mcp_config import ServerConfig  # noqa: E402
-from northcode.agent.mcp_servers import McpServers, qualified_name  # noqa: E402
+from northcode.agent.mcp_servers import McpCallError, McpServers, qualified_name  # noqa: E402
 from northcode.agent.sandbox import Workspace  # noqa: E402
 from northcode.agent.tools import ToolBox, ToolError  # noqa: E402
 
@@ -77,10 +82,12 @@ STDIO_COMMAND = (sys.executable, str(Path(__file__).resolve()))
 
 
 class HttpMcpServer:
-    """build_server() over streamable HTTP on a free loopback port; `headers` keeps each request's headers."""
+    """build_server() over streamable HTTP on a free loopback port; `headers` keeps each request's headers, `notes`
+    what write_note was given."""
 
     def __init__(self) -> None:
-        app = build_server().streamable_http_app()
+        self.notes: list[str] = []
+        app = build_server(self.notes).streamable_http_app()
         self.headers: list[dict[str, str]] = []
 
         async def recorded(scope, receive, send) -> None:
@@ -112,10 +119,22 @@ def stdio_config(name: str = "calc", command: tuple[str, ...] = STDIO_COMMAND, *
     return ServerConfig(name, "stdio", Path("test.json"), command, **kwargs)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def http_server():
     with HttpMcpServer() as server:
         yield server
+
+
+@pytest.fixture
+async def web(http_server, workspace, tmp_path):
+    """The HTTP server (it starts faster than a subprocess), as server "calc", in a toolbox; no notes yet."""
+    http_server.notes.clear()
+    servers = McpServers([ServerConfig("calc", "http", Path("t.json"), url=http_server.url)], workspace.root, tmp_path)
+    await servers.start()
+    toolbox = ToolBox(workspace, tmp_path / "spill")
+    toolbox.mcp = servers
+    yield toolbox
+    await servers.aclose()
 
 
 @pytest.fixture
@@ -160,8 +179,8 @@ async def test_calls_give_text_a_note_for_images_and_errors(calc, workspace):
         "a red dot\n[image content (image/png, 3 bytes): not shown to you]")
     with pytest.raises(ToolError, match="the disk is full"):
         await calc.prepare("mcp__calc__fail", {}).execute()
-    noted = await calc.prepare("mcp__calc__write_note", {"text": "hi"}).execute()
-    assert noted == f"noted in {workspace.root}" and (workspace.root / "notes.txt").read_text() == "hi\n"
+    assert await calc.prepare("mcp__calc__write_note", {"text": "hi"}).execute() == "noted: hi"
+    assert await calc.prepare("mcp__calc__cwd", {}).execute() == str(workspace.root)  # stdio servers run there
     prepared = calc.prepare("mcp__calc__add", {"a": 1, "b": 2})
     assert prepared.kind == "mcp" and prepared.read_only and prepared.title == "mcp calc: add"
     assert '"a": 1' in prepared.preview
@@ -169,15 +188,16 @@ async def test_calls_give_text_a_note_for_images_and_errors(calc, workspace):
         calc.prepare("mcp__calc__nope", {})
 
 
-async def test_streamable_http_server_with_headers(http_server, workspace, tmp_path):
-    config = ServerConfig("web", "http", Path("test.json"), url=http_server.url, headers={"Authorization": "Bearer k"})
-    servers = McpServers([config], workspace.root, tmp_path)
-    await servers.start()
-    try:
-        assert servers.servers["web"].state == "ready", servers.summary()
-        assert await servers.call(servers.find("mcp__web__add"), {"a": 20, "b": 22}) == "42"
-    finally:
-        await servers.aclose()
+async def test_streamable_http_server_with_headers(workspace, tmp_path):
+    with HttpMcpServer() as http_server:
+        config = ServerConfig("web", "http", Path("t.json"), url=http_server.url, headers={"Authorization": "Bearer k"})
+        servers = McpServers([config], workspace.root, tmp_path)
+        await servers.start()
+        try:
+            assert servers.servers["web"].state == "ready", servers.summary()
+            assert await servers.call(servers.find("mcp__web__add"), {"a": 20, "b": 22}) == "42"
+        finally:
+            await servers.aclose()
     assert servers.servers["web"].state == "stopped"
     assert http_server.headers and all(h.get("authorization") == "Bearer k" for h in http_server.headers)
 
@@ -233,7 +253,7 @@ async def test_servers_that_fail_to_start_are_reported_and_the_others_work(works
         assert sorted(changes) == sorted([(n, "failed") for n in ("missing", "exits", "slow", "unreachable")]
                                          + [("calc", "ready")])
         assert {tool.server for tool in servers.tools()} == {"calc"}
-        assert any("calc (stdio" in line and "ready, 6 tools" in line for line in servers.summary())
+        assert any("calc (stdio" in line and "ready, 7 tools" in line for line in servers.summary())
     finally:
         await servers.aclose()
     await until_gone(int(pid_file.read_text()))  # the server past its time limit was ended
@@ -282,13 +302,13 @@ async def test_the_agent_calls_an_mcp_tool_and_reads_its_result(calc):
     (Mode.PLAN, "add", 1, True),  # readOnlyHint: plan mode asks
     (Mode.ASK, "add", 1, True), (Mode.AUTO_EDIT, "write_note", 1, True),
     (Mode.FULL_AUTO, "write_note", 0, True)])
-async def test_approvals_per_mode(calc, mode, tool, num_asked, runs):
+async def test_approvals_per_mode(web, http_server, mode, tool, num_asked, runs):
     arguments = {"a": 1, "b": 2} if tool == "add" else {"text": "x"}
     calls = [tool_reply((f"mcp__calc__{tool}", arguments)), tool_reply((f"mcp__calc__{tool}", arguments)),
              text_reply("OK.")]
     asker = RecordingAsker(Decision.ALLOW_SESSION)
     with ScriptedEndpoint(calls) as endpoint:
-        agent = Agent(ChatClient(endpoint.url), calc, Approvals(mode, asker))
+        agent = Agent(ChatClient(endpoint.url), web, Approvals(mode, asker))
         await agent.run_turn("go")
         await agent.client.aclose()
     assert len(asker.asked) == num_asked  # the session approval covers that tool's second call
@@ -296,19 +316,34 @@ async def test_approvals_per_mode(calc, mode, tool, num_asked, runs):
         assert asker.asked[0].kind == "mcp" and asker.asked[0].name == f"mcp__calc__{tool}"
     outputs = tool_outputs(endpoint.requests[2])
     if runs:
-        assert outputs[0] in ("3", f"noted in {calc.workspace.root}")
+        assert outputs == (["3", "3"] if tool == "add" else ["noted: x", "noted: x"])
     else:
         assert "plan mode" in outputs[0] and "not marked read-only" in outputs[0]
-        assert not (calc.workspace.root / "notes.txt").exists()
+    assert http_server.notes == (["x", "x"] if runs and tool == "write_note" else [])
 
 
-async def test_a_denied_or_headless_mcp_call_does_not_run(calc):
+async def test_a_denied_or_headless_mcp_call_does_not_run(web, http_server):
     for approvals, reason in [(Approvals(Mode.ASK, RecordingAsker(Decision.DENY)), "denied by the user"),
                               (Approvals(Mode.AUTO_EDIT, None), "no one can answer in a headless run")]:
         with ScriptedEndpoint([tool_reply(("mcp__calc__write_note", {"text": "x"})), text_reply("OK.")]) as endpoint:
-            agent = Agent(ChatClient(endpoint.url), calc, approvals)
+            agent = Agent(ChatClient(endpoint.url), web, approvals)
             await agent.run_turn("note it")
             await agent.client.aclose()
         (output,) = tool_outputs(endpoint.requests[1])
         assert reason in output
-    assert not (calc.workspace.root / "notes.txt").exists()
+    assert http_server.notes == []
+
+
+async def test_an_http_server_that_goes_away_fails_at_the_next_call(workspace, tmp_path):
+    changes = []
+    with HttpMcpServer() as http_server:
+        servers = McpServers([ServerConfig("web", "http", Path("t.json"), url=http_server.url)], workspace.root,
+                             tmp_path, on_change=lambda s: changes.append((s.name, s.state)))
+        await servers.start()
+        assert await servers.call(servers.find("mcp__web__add"), {"a": 1, "b": 2}) == "3"
+    try:
+        with pytest.raises(McpCallError, match="no result, MCP server web failed: ConnectError"):
+            await servers.call(servers.servers["web"].tools[0], {"a": 1, "b": 2})
+        assert changes == [("web", "ready"), ("web", "failed")] and servers.tools() == []
+    finally:
+        await servers.aclose()

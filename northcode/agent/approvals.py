@@ -78,7 +78,7 @@ AUTO_KINDS = {Mode.PLAN: {"read", "todo"}, Mode.ASK: {"read", "todo"}, Mode.AUTO
               Mode.FULL_AUTO: {"read", "todo", "edit", "shell", "fetch", "mcp"}}
 PLAN_KINDS = {"read", "todo", "fetch"}  # fetching reads: plan mode asks for it, as ask mode does
 PLAN_REFUSAL = ("refused without asking: the session is in plan mode, which is read-only (read, list, glob, grep, "
-                "the todo list and, with the user's approval, webfetch). Finish the plan and present it; the user leaves plan mode to let you {kind}")
+                "the todo list and, with the user's approval, webfetch and MCP tools marked read-only). Finish the plan and present it; the user leaves plan mode to let you {kind}")
 PLAN_VERBS = {"edit": "edit files", "shell": "run commands", "mcp": "call MCP tools not marked read-only"}
 Asker = Callable[[PreparedCall], Awaitable[Decision | Answer]]
 

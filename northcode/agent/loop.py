@@ -44,7 +44,8 @@ Paths are relative to {root}; nothing outside it can be read or written. \
 Make the smallest change that does the job, check it when you can, and answer briefly. \
 For a task of several steps, keep a todo list with todowrite and update it as you go."""
 PLAN_NOTE = ("plan mode: the user wants a plan before any change. You may read, list, glob, grep, keep the todo "
-             "list and webfetch (the user approves each fetch); edit, write and bash are refused. Explore, then "
+             "list, webfetch and call the MCP tools their servers mark read-only (the user approves each fetch and "
+             "MCP call); edit, write, bash and the other MCP tools are refused. Explore, then "
              "answer with the plan (and write it with todowrite); the user switches modes to let you carry it out.")
 LEFT_PLAN_NOTE = "plan mode is over (mode {mode}): you may now edit files and run commands as the mode allows."
 
