@@ -48,7 +48,7 @@ def test_run_reports_the_servers_on_stderr_and_calls_the_tool(workspace, capsys)
     assert "northcode run: MCP server calc: ready, 7 tools" in err
     assert "northcode run: MCP server broken: failed: cannot start '/nonexistent/mcp-server'" in err
     assert f"northcode run: MCP configuration: {workspace / 'opencode.json'}: mcp.odd: type 'sse'" in err
-    assert "→ mcp calc: add" in err
+    assert '→ mcp calc: add {"a": 2, "b": 3}' in err
     assert [m["content"] for m in endpoint.requests[1]["messages"] if m["role"] == "tool"] == ["5"]
 
 

@@ -182,7 +182,7 @@ async def test_calls_give_text_a_note_for_images_and_errors(calc, workspace):
     assert await calc.prepare("mcp__calc__write_note", {"text": "hi"}).execute() == "noted: hi"
     assert await calc.prepare("mcp__calc__cwd", {}).execute() == str(workspace.root)  # stdio servers run there
     prepared = calc.prepare("mcp__calc__add", {"a": 1, "b": 2})
-    assert prepared.kind == "mcp" and prepared.read_only and prepared.title == "mcp calc: add"
+    assert prepared.kind == "mcp" and prepared.read_only and prepared.title == 'mcp calc: add {"a": 1, "b": 2}'
     assert '"a": 1' in prepared.preview
     with pytest.raises(ToolError, match="no MCP server offers it"):
         calc.prepare("mcp__calc__nope", {})

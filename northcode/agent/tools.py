@@ -310,7 +310,9 @@ class ToolBox:
                 raise ToolError(str(err)) from None
 
         preview = json.dumps(args, indent=2, ensure_ascii=False)
-        return PreparedCall(name, "mcp", f"mcp {tool.server}: {tool.name}", preview, execute, read_only=tool.read_only)
+        brief = json.dumps(args, ensure_ascii=False) if args else ""
+        title = f"mcp {tool.server}: {tool.name} {brief if len(brief) <= 80 else brief[:79] + '…'}".rstrip()
+        return PreparedCall(name, "mcp", title, preview, execute, read_only=tool.read_only)
 
     # --- shell ---
 
