@@ -49,6 +49,11 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #define RG 4
 #endif
 // ATTN3: the producer reads 8 block-table entries at once.
+// GLOBAL_A: o_proj and down take their A fragments from L2 into registers (act in shared memory holds only
+// attention's q), so that the ring has the freed shared memory (B=8: 10 stages instead of 6).
+#ifndef GLOBAL_A
+#define GLOBAL_A 0
+#endif
 #ifndef ATTN3
 #define ATTN3 1
 #endif
@@ -273,7 +278,7 @@ struct Smem {
 __host__ __device__ constexpr size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 __host__ __device__ inline size_t h_bytes(int batch) { return round_up((size_t)batch * kHStride * 2, 1024); }
 __host__ __device__ inline size_t act_bytes(int batch) {
-  const size_t q = (size_t)GROUP * kQStride * 2, rows = (size_t)batch * kActStride * 2;
+  const size_t q = (size_t)GROUP * kQStride * 2, rows = GLOBAL_A ? 0 : (size_t)batch * kActStride * 2;
   return round_up(rows > q ? rows : q, 1024);
 }
 constexpr size_t kSmemLimit = 232448;  // bytes a block may have on sm_90
@@ -515,15 +520,16 @@ __device__ void load_h(const Params& p, Smem& s, int l) {
 }
 
 // A fragments of the warp's KS k16 steps in box kb (k offset kb * box_k): [step][2 regs], rows >= batch zero.
-template <int KS>
+template <int KS, bool kGlobal>
 __device__ __forceinline__ void load_a(unsigned (&a)[KS][2], const bf16* act, int stride, int batch, int k_base) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - kCB / 32, g = lane / 4, c = lane % 4;
   const bool ok = g < batch;
 #pragma unroll
   for (int j = 0; j < KS; ++j) {
     const int k0 = k_base + (warp * KS + j) * 16 + 2 * c;
-    a[j][0] = ok ? *reinterpret_cast<const unsigned*>(act + g * stride + k0) : 0u;
-    a[j][1] = ok ? *reinterpret_cast<const unsigned*>(act + g * stride + k0 + 8) : 0u;
+    const unsigned* at = reinterpret_cast<const unsigned*>(act + g * stride + k0);
+    a[j][0] = ok ? (kGlobal ? __ldcg(at) : *at) : 0u;
+    a[j][1] = ok ? (kGlobal ? __ldcg(at + 4) : at[4]) : 0u;
   }
 }
 
@@ -549,14 +555,15 @@ __device__ __forceinline__ void box_product(float (&acc)[ACC][4], const unsigned
 
 // The product of `groups` 8-row groups of a matrix with `act`; epi(group, b, r, value) for b < B (thread < 64,
 // groups in order: an epilogue may carry a value from one group to the next).
-template <int NK, int KS, class Epi>
+// kGlobal: act is in global memory (written by other blocks in this step: read through L2).
+template <int NK, int KS, bool kGlobal = false, class Epi>
 __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, const bf16* act, int stride, Epi epi) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - kCB / 32, tid = threadIdx.x - kCB, gq = lane / 4, c = lane % 4;
-  constexpr bool kKeepA = NK * KS <= 16;  // the A fragments of every box stay in registers for the whole call
+  constexpr bool kKeepA = NK * KS <= (kGlobal ? 32 : 16);  // the A fragments of every box stay in registers for the whole call
   unsigned a_all[kKeepA ? NK : 1][KS][2];
   if (kKeepA) {
 #pragma unroll
-    for (int kb = 0; kb < (kKeepA ? NK : 1); ++kb) load_a<KS>(a_all[kb], act, stride, p.batch, kb * KS * 8 * 16);
+    for (int kb = 0; kb < (kKeepA ? NK : 1); ++kb) load_a<KS, kGlobal>(a_all[kb], act, stride, p.batch, kb * KS * 8 * 16);
   }
   int parity = 0;
   for (int g0 = 0; g0 < groups; g0 += RG, parity ^= 1) {
@@ -568,7 +575,7 @@ __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, c
 #pragma unroll
       for (int kb = 0; kb < NK; ++kb) {
         unsigned a[KS][2];
-        if (!kKeepA) load_a<KS>(a, act, stride, p.batch, kb * KS * 8 * 16);
+        if (!kKeepA) load_a<KS, kGlobal>(a, act, stride, p.batch, kb * KS * 8 * 16);
         const int k = st.k;
         mbar_wait(&s.full[k], st.phase);
         box_product<KS>(accs[gi], sm_ring(s) + (size_t)k * kStageBytes, kKeepA ? a_all[kKeepA ? kb : 0] : a);
@@ -691,18 +698,26 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   finish(p, s, t);
 }
 
-__device__ void consume_oproj(const Params& p, Smem& s, Stream& st, const Task& t) {
-  wait_for(p, t.wait, t.target);
+__device__ void load_act(Smem& s, const bf16* in, int batch, int width) {  // in [B, width] -> sm_act(s)
   const int tid = threadIdx.x - kCB;
-  for (int i = tid; i < p.batch * QSIZE / 8; i += kConsumers * 32) {
-    const int b = i / (QSIZE / 8), c = i % (QSIZE / 8);
-    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&p.attn_out[b * QSIZE + 8 * c]));
+  for (int i = tid; i < batch * width / 8; i += kConsumers * 32) {
+    const int b = i / (width / 8), c = i % (width / 8);
+    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
   }
   consumer_sync();
+}
+
+__device__ void consume_oproj(const Params& p, Smem& s, Stream& st, const Task& t) {
+  wait_for(p, t.wait, t.target);
   float* x_next = p.x + (size_t)(t.layer + 1) * p.batch * H;
   const int row0 = 8 * t.a[0];
-  consume_rows<4, 8>(p, s, st, t.a[1], sm_act(s), kActStride,
-                     [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
+  auto epi = [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); };
+#if GLOBAL_A
+  consume_rows<4, 8, true>(p, s, st, t.a[1], p.attn_out, QSIZE, epi);
+#else
+  load_act(s, p.attn_out, p.batch, QSIZE);
+  consume_rows<4, 8>(p, s, st, t.a[1], sm_act(s), kActStride, epi);
+#endif
   finish(p, s, t);
 }
 
@@ -831,11 +846,9 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
   if (slot >= 0 && slot >= up_count(p, l)) { finish(p, s, t); return; }
   const int width = slot < 0 ? DENSE_I : I;
   const bf16* in = p.moe_act + (size_t)(slot < 0 ? MAX_SLOTS : slot) * p.batch * DENSE_I;
-  for (int i = tid; i < p.batch * width / 8; i += kConsumers * 32) {
-    const int b = i / (width / 8), c = i % (width / 8);
-    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
-  }
-  consumer_sync();
+#if !GLOBAL_A
+  load_act(s, in, p.batch, width);
+#endif
   float* x_next = p.x + (size_t)(l + 1) * p.batch * H;
   const float* w = p.slot_w + ((size_t)l * MAX_SLOTS + max(slot, 0)) * p.batch;
   const int row0 = 8 * t.a[1];
@@ -843,8 +856,13 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
     const float wb = slot < 0 ? 1.f : __ldcg(&w[b]);
     if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
   };
+#if GLOBAL_A
+  if (slot < 0) consume_rows<3, 8, true>(p, s, st, t.a[2], in, width, epi);
+  else consume_rows<1, 6, true>(p, s, st, t.a[2], in, width, epi);
+#else
   if (slot < 0) consume_rows<3, 8>(p, s, st, t.a[2], sm_act(s), kActStride, epi);
   else consume_rows<1, 6>(p, s, st, t.a[2], sm_act(s), kActStride, epi);
+#endif
   finish(p, s, t);
 }
 
@@ -853,14 +871,6 @@ __device__ void spin_consumers(const Params& p, int counter, int target) {  // t
   consumer_sync();
 }
 
-__device__ void load_act(Smem& s, const bf16* in, int batch, int width) {  // in [B, width] -> sm_act(s)
-  const int tid = threadIdx.x - kCB;
-  for (int i = tid; i < batch * width / 8; i += kConsumers * 32) {
-    const int b = i / (width / 8), c = i % (width / 8);
-    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
-  }
-  consumer_sync();
-}
 
 // The drain's consumers: the tile id sits beside its first stage (peeked here, released by the product).
 __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& t) {
@@ -894,21 +904,33 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
       if (threadIdx.x == kCB) post_signal(p, s, ctr(l, C_UP + d.slot));
     } else if (d.kind == 1) {
       spin_consumers(p, ctr(l, C_UP + d.slot), up_tiles_per_slot(p, dense));
-      load_act(s, p.moe_act + (size_t)slot_buf * p.batch * DENSE_I, p.batch, width);
+      const bf16* in = p.moe_act + (size_t)slot_buf * p.batch * DENSE_I;
+#if !GLOBAL_A
+      load_act(s, in, p.batch, width);
+#endif
       const float* w = p.slot_w + ((size_t)l * MAX_SLOTS + d.slot) * p.batch;
       const int row0 = 8 * d.g0;
       auto epi = [&](int g, int b, int r, float v) {
         const float wb = dense ? 1.f : __ldcg(&w[b]);
         if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
       };
+#if GLOBAL_A
+      if (dense) consume_rows<3, 8, true>(p, s, st, d.groups, in, width, epi);
+      else consume_rows<1, 6, true>(p, s, st, d.groups, in, width, epi);
+#else
       if (dense) consume_rows<3, 8>(p, s, st, d.groups, sm_act(s), kActStride, epi);
       else consume_rows<1, 6>(p, s, st, d.groups, sm_act(s), kActStride, epi);
+#endif
     } else {
       spin_consumers(p, ctr(l, C_ATTN), p.batch * KVH);
-      load_act(s, p.attn_out, p.batch, QSIZE);
       const int row0 = 8 * d.g0;
-      consume_rows<4, 8>(p, s, st, d.groups, sm_act(s), kActStride,
-                         [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
+      auto epi = [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); };
+#if GLOBAL_A
+      consume_rows<4, 8, true>(p, s, st, d.groups, p.attn_out, QSIZE, epi);
+#else
+      load_act(s, p.attn_out, p.batch, QSIZE);
+      consume_rows<4, 8>(p, s, st, d.groups, sm_act(s), kActStride, epi);
+#endif
     }
   }
   if (!SIGNALLER) fence_gpu();
