@@ -347,3 +347,20 @@ async def test_an_http_server_that_goes_away_fails_at_the_next_call(workspace, t
         assert changes == [("web", "ready"), ("web", "failed")] and servers.tools() == []
     finally:
         await servers.aclose()
+
+
+async def test_the_first_request_waits_for_the_servers_starting(workspace, tmp_path):
+    servers = McpServers([stdio_config()], workspace.root, tmp_path)
+    toolbox = ToolBox(workspace, tmp_path / "spill")
+    toolbox.mcp = servers
+    starting = asyncio.ensure_future(servers.start())  # as the app does, beside the model server's connection
+    await asyncio.sleep(0)
+    try:
+        with ScriptedEndpoint([text_reply("Hi.")]) as endpoint:
+            agent = Agent(ChatClient(endpoint.url), toolbox, Approvals(Mode.ASK, None))
+            await agent.run_turn("hello")
+            await agent.client.aclose()
+        assert "mcp__calc__add" in [t["function"]["name"] for t in endpoint.requests[0]["tools"]]
+    finally:
+        await starting
+        await servers.aclose()

@@ -12,6 +12,8 @@ AUTO_COMPACT_SHARE of the context window, the agent compacts the conversation as
 (compaction.py), says so through `on_event`, and hands the short conversation to `on_compacted`.
 Entering and leaving plan mode is told to the model as a note on the next user message (the system
 prompt stays as it was); the toolbox's todo list is the one this conversation's todowrite calls left.
+A request waits until the MCP servers starting have started or failed, so that the tools offered (which lead the
+prompt) change only when a server is lost.
 """
 
 from __future__ import annotations
@@ -234,6 +236,8 @@ class Agent:
             await self._emit(ToolEvent(call, None, output, ok=False))
 
     async def _model_step(self) -> Completion:
+        if self.use_tools and self.toolbox.mcp is not None:  # the MCP tools of the first request stay in the next
+            await self.toolbox.mcp.wait_started()
         tools = self.toolbox.schemas() if self.use_tools else None
         partial = Completion()
         try:

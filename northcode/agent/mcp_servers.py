@@ -103,6 +103,12 @@ class McpServers:
             self._fail(server, f"did not start within {server.config.start_timeout_s:g} s")
             server.task.cancel()
 
+    async def wait_started(self) -> None:
+        """Until every server being started is ready or failed (each within its time limit)."""
+        for server in self.servers.values():
+            if server.task is not None:
+                await server.started.wait()
+
     async def aclose(self) -> None:
         """Shut every server down: stdio ones get their stdin closed (then are terminated), HTTP sessions ended."""
         tasks = [server.task for server in self.servers.values() if server.task and not server.task.done()]
@@ -323,6 +329,12 @@ class _WatchedStream:
         except Exception:
             self.closed.set()
             raise
+
+    async def wait_started(self) -> None:
+        """Until every server being started is ready or failed (each within its time limit)."""
+        for server in self.servers.values():
+            if server.task is not None:
+                await server.started.wait()
 
     async def aclose(self) -> None:
         await self.stream.aclose()
