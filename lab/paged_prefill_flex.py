@@ -6,7 +6,8 @@ no K/V repeated to the query heads (flex's enable_gqa: query head h reads KV hea
 order). One sparse block is one page (KV) by Q_BLOCK queries. Per query block the mask lists the pages it
 sees: *full* pages (every key visible to every query of the block: no mask evaluated) and *partial* ones (the
 diagonal, and on sliding layers the window's first pages), where `mask_mod` decides per key from the key's
-logical position. Pages outside the window, after the chunk, or unmapped are not listed: never read.
+logical position. Pages outside the window or after the chunk are not listed: never read. The lists are built
+in logical pages once per chunk and layer kind (chunk_block_lists) and mapped per layer (to_physical: a gather).
 The kernel sees physical slots, so mask_mod maps a slot's page back to its logical page through `logical_of`
 (physical page -> logical page of this row; every physical page holds one (layer, logical block), shared
 prefixes at the same logical index, so one map serves every layer and row of a chunk).
@@ -47,13 +48,13 @@ def logical_pages(page_table: torch.Tensor, num_pool_pages: int) -> torch.Tensor
     return logical_of[:num_pool_pages]
 
 
-def chunk_page_lists(page_table: torch.Tensor, start: int, num_queries: int, window: int | None,
-                     page_size: int, q_block: int = Q_BLOCK) -> tuple[torch.Tensor, ...]:
-    """The block mask's lists for a chunk: (kv_num_blocks int32 [Qb], kv_indices int32 [Qb, W], full_kv_num_blocks,
-    full_kv_indices) with physical pages; Qb = ceil(T / q_block). Built on the device with no host sync (the
-    widths W come from the ints start, T, window)."""
-    device, ps = page_table.device, page_size
-    end = start + num_queries
+def chunk_block_lists(start: int, num_queries: int, window: int | None, page_size: int, device,
+                      q_block: int = Q_BLOCK) -> tuple[torch.Tensor, ...]:
+    """The block mask's lists for a chunk in *logical* pages: (kv_num_blocks int32 [Qb], kv_indices int32 [Qb, W],
+    full_kv_num_blocks, full_kv_indices), Qb = ceil(T / q_block), W >= 2. They depend on the positions and the
+    layer kind only, so the prefill builds them once per chunk and kind; to_physical maps them per layer. Built on
+    the device with no host sync (W comes from the ints start, T, window)."""
+    ps, end = page_size, start + num_queries
     block_idx = torch.arange(-(-num_queries // q_block), device=device)
     q_lo = start + block_idx * q_block  # [Qb] each block's first and last query position
     q_hi = (q_lo + q_block).clamp(max=end) - 1
@@ -68,28 +69,45 @@ def chunk_page_lists(page_table: torch.Tensor, start: int, num_queries: int, win
         span = min(end_page, (q_block + window - 2) // ps + 2)  # pages a block can see at most
     span = max(span, 2)  # a width of 1 (a prompt of one page) would be specialised by dynamo: a compile of its own
     candidate = lo_page[:, None] + torch.arange(span, device=device)  # [Qb, span] logical pages
-    in_range = candidate <= hi_page[:, None]
-    physical = page_table[candidate.clamp(max=page_table.shape[0] - 1)].to(torch.int32)
-    seen = in_range & (physical >= 0)
+    seen = candidate <= hi_page[:, None]
     full = seen & (candidate >= full_lo[:, None]) & (candidate <= full_hi[:, None])
-    return (*_compacted(physical, seen & ~full), *_compacted(physical, full))
+    return (*_compacted(candidate, seen & ~full), *_compacted(candidate, full))
 
 
-def _compacted(physical: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(count int32 [Qb], the chosen physical pages first in each row int32 [Qb, W], 0 after them)."""
+def _compacted(pages: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count int32 [Qb], the chosen pages first in each row int32 [Qb, W], 0 after them)."""
     order = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)
-    pages = torch.where(chosen.gather(1, order), physical.gather(1, order), 0)
-    return chosen.sum(1, dtype=torch.int32), pages.contiguous()
+    pages = torch.where(chosen.gather(1, order), pages.gather(1, order), 0)
+    return chosen.sum(1, dtype=torch.int32), pages.to(torch.int32)
+
+
+def to_physical(lists: tuple[torch.Tensor, ...], page_table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """chunk_block_lists' logical lists -> the same with this layer's physical pages (two gathers). Every page a
+    list names must be mapped in page_table: kv_cache keeps a sliding layer's pages from its window's first
+    (evict_behind_window, with slack) and maps every page before a chunk's end on full layers; an unmapped one
+    would read page 0 (counts bound what the kernel reads, so the padding after them is never read)."""
+    num_blocks, indices, full_num_blocks, full_indices = lists
+    table = page_table.clamp(min=0).to(torch.int32)
+    return num_blocks, table[indices.long()], full_num_blocks, table[full_indices.long()]
+
+
+def chunk_page_lists(page_table: torch.Tensor, start: int, num_queries: int, window: int | None,
+                     page_size: int) -> tuple[torch.Tensor, ...]:
+    """chunk_block_lists then to_physical: the lists of one layer with physical pages."""
+    return to_physical(chunk_block_lists(start, num_queries, window, page_size, page_table.device), page_table)
 
 
 def paged_block_mask(page_table: torch.Tensor, logical_of: torch.Tensor, start: int, num_queries: int,
-                     window: int | None, page_size: int, num_slots: int, pad_indices: bool = False) -> BlockMask:
-    """The BlockMask of a chunk over the pool's slots (module docstring). start and window are passed to mask_mod
-    as tensors: a captured int would be a constant of the compiled kernel, a compile per chunk. pad_indices: the
-    index lists padded to the pool's pages (inductor's CPU template asks for it, as in compiled_step.py)."""
+                     window: int | None, page_size: int, num_slots: int, pad_indices: bool = False,
+                     lists: tuple[torch.Tensor, ...] | None = None) -> BlockMask:
+    """The BlockMask of a chunk over the pool's slots (module docstring); lists: chunk_block_lists', when the
+    caller shares them across the layers of a kind. start and window are passed to mask_mod as tensors: a captured
+    int would be a constant of the compiled kernel, a compile per chunk. pad_indices: the index lists padded to the
+    pool's pages (inductor's CPU template asks for it, as in compiled_step.py)."""
     device = page_table.device
-    num_blocks, indices, full_num_blocks, full_indices = chunk_page_lists(page_table, start, num_queries, window,
-                                                                          page_size)
+    if lists is None:
+        lists = chunk_block_lists(start, num_queries, window, page_size, device)
+    num_blocks, indices, full_num_blocks, full_indices = to_physical(lists, page_table)
     if pad_indices:
         width = num_slots // page_size
         indices, full_indices = (F.pad(t, (0, width - t.shape[1])) for t in (indices, full_indices))
@@ -117,10 +135,13 @@ def pool_keys_values(kv_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, page_table: torch.Tensor, start: int,
                             window: int | None, logical_of: torch.Tensor | None = None,
-                            compile: bool | None = None, backend: str | None = None) -> torch.Tensor:
+                            compile: bool | None = None, backend: str | None = None,
+                            lists: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """q [1, Hq, T, D] at positions start .. start + T - 1; kv_pool [2, pages, ps, Hkv, D] holding the row's keys
     0 .. start + T - 1 (this chunk's written); page_table int [P] of this row and layer -> [1, Hq, T, D].
-    logical_of: logical_pages(page_table, pages), when the caller shares one across layers. compile: default on
+    logical_of: logical_pages(page_table, pages), and lists: chunk_block_lists(...), when the caller shares them
+    across layers (a chunk's map serves every layer, compiled only: the eager path scores every slot, so its map
+    must be this layer's alone; the lists serve every layer of a kind). compile: default on
     a GPU; on the CPU (a test of the page lists through inductor's CPU template) the lists are padded.
     backend: flex's BACKEND; None: decoding_backend's choice."""
     pages, ps = kv_pool.shape[1], kv_pool.shape[2]
@@ -129,7 +150,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, page_table: 
         logical_of = logical_pages(page_table, pages)
     keys, values = pool_keys_values(kv_pool)
     mask = paged_block_mask(page_table, logical_of, start, q.shape[2], window, ps, pages * ps,
-                            pad_indices=compile and not q.is_cuda)
+                            pad_indices=compile and not q.is_cuda, lists=lists)
     scale = q.shape[-1] ** -0.5
     if not compile:
         return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=True)

@@ -17,7 +17,8 @@ compiled flex_attention may compile), and its largest difference from an fp32 re
   flex-paged        lab/paged_prefill_flex.py: the same kernel reading K/V in place from a paged pool of POOL_PAGES
                     pages of PAGE_SIZE (under 2^31 elements, as the compiled decode step's pool), the row's pages
                     scattered through it; the block mask is built from the page table in every call (in the time;
-                    its own time is the note's "mask")
+                    its own time is in the note: the page lists, built once per chunk and layer kind, and a
+                    layer's share, the translation to its pages and the BlockMask)
   flex-paged-big    the same over a pool of BIG_POOL_PAGES (past 2^31 elements, as the eager engine's 68 GB pool):
                     does the template compile and run with 64-bit offsets (the decode template did not, run 29)?
   flex-paged-triton flex-paged with flex's main kernel forced (BACKEND "TRITON") for chunks of T <= 16, where
@@ -132,15 +133,21 @@ def paged_function(window: int | None, backend: str | None = None) -> Callable:
     return lambda q, pool, table, start: paged_prefill_attention(q, pool, table, start, window, backend=backend)
 
 
-def mask_function(window: int | None) -> Callable:
-    """(q, pool, page_table, start) -> the paged way's block mask alone (logical_of and the page lists)."""
-    from paged_prefill_flex import logical_pages, paged_block_mask
+def mask_functions(window: int | None) -> tuple[Callable, Callable]:
+    """(q, pool, page_table, start) -> the paged way's block mask in its two parts: the logical page lists (once per
+    chunk and layer kind in a prefill) and a layer's share (the physical->logical map, the lists' translation and
+    the BlockMask; a prefill would build the map once per chunk)."""
+    from paged_prefill_flex import chunk_block_lists, logical_pages, paged_block_mask
 
-    def build(q, pool, table, start):
+    def lists(q, pool, table, start):
+        return chunk_block_lists(start, q.shape[2], window, PAGE_SIZE, q.device)
+
+    def per_layer(q, pool, table, start, built=None):
         logical_of = logical_pages(table, pool.shape[1])
-        return paged_block_mask(table, logical_of, start, q.shape[2], window, PAGE_SIZE, pool.shape[1] * PAGE_SIZE)
+        return paged_block_mask(table, logical_of, start, q.shape[2], window, PAGE_SIZE, pool.shape[1] * PAGE_SIZE,
+                                lists=built)
 
-    return build
+    return lists, per_layer
 
 
 def way_function(name: str, window: int | None) -> Callable | None:
@@ -221,7 +228,10 @@ def measure(shapes, ways, device, dtype, repeats: int) -> list[dict]:
                 fresh = inputs(t + 1, s + 64, device, dtype, seed=1)  # a shape this way has not seen
                 row["first_ms"] = 1e3 * timed(fn, fresh if paged is None else paged_case(*fresh, paged, seed=1), 1)
                 if paged is not None:
-                    row["note"] = f"mask {1e3 * timed(mask_function(window), args, repeats):.3f} ms"
+                    lists, per_layer = mask_functions(window)
+                    built = lists(*args)
+                    row["note"] = (f"mask: lists {1e3 * timed(lists, args, repeats):.3f} ms, per layer "
+                                   f"{1e3 * timed(per_layer, (*args, built), repeats):.3f} ms")
             except Exception as err:  # a kernel that does not take this case (the CPU, no cuDNN, an old GPU), or
                 # a compile that fails (inductor raises its own errors, not RuntimeError)
                 first_line = (str(err).splitlines() or [type(err).__name__])[0]

@@ -37,6 +37,8 @@ def test_the_ways_that_run_on_the_cpu_agree_with_the_reference():
 
 # --- the paged way (lab/paged_prefill_flex.py): K/V read in place from a scrambled pool ---
 
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                               reason="inductor's CPU code needs a C++ compiler")
 PAGE, KV_HEADS_TINY, HEADS_TINY, DIM = 16, 4, 32, 16  # North Mini Code's heads (group 8), small pages and head dim
 WINDOW, NUM_KEYS = 48, 300  # a window of 3 pages; the row holds 300 keys (19 pages, the last partly filled)
 # (start, T): chunk sizes 1, odd, page-crossing (mid-page to mid-page), window-crossing (several query blocks whose
@@ -92,7 +94,7 @@ def test_the_paged_way_equals_fp32_attention(start, num_queries, window):
     torch.testing.assert_close(got, _reference(q, keys, values, start, window), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor's CPU code needs C++")
+@needs_cxx
 def test_compiled_on_the_cpu_it_reads_only_the_listed_pages_and_compiles_once_per_kind_of_chunk():
     """Inductor's CPU template reads the page lists as the GPU's does (a page left out of them changes the result),
     and new chunk lengths and contexts reuse the graphs: one for chunks that may take flex's decoding kernel
@@ -123,10 +125,38 @@ def test_compiled_on_the_cpu_it_reads_only_the_listed_pages_and_compiles_once_pe
     assert (whole - without).abs().max() > 0.1
 
 
+@needs_cxx
+def test_one_map_and_one_set_of_lists_serve_every_layer_of_a_kind():
+    """The prefill's sharing: two layers' K/V at disjoint pages of one pool, one physical->logical map for both and
+    the chunk's logical lists built once; each layer attends to its own keys. Compiled: the eager math path scores
+    every slot, so a map shared across layers is only for the kernels, which read the listed pages alone."""
+    from paged_prefill_flex import chunk_block_lists, logical_pages
+
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.randn(2, 49, PAGE, KV_HEADS_TINY, DIM, generator=gen) * 100
+    tables = torch.randperm(48, generator=gen)[:2 * 19].view(2, 19).to(torch.int32)  # layer 0, layer 1
+    kv = torch.randn(2, 2, 1, KV_HEADS_TINY, NUM_KEYS, DIM, generator=gen)  # [layer, K/V, 1, Hkv, S, D]
+    slots = torch.arange(NUM_KEYS)
+    for layer in range(2):
+        where = tables[layer][slots // PAGE].long() * PAGE + slots % PAGE
+        for half in range(2):
+            pool[half].view(-1, KV_HEADS_TINY, DIM)[where] = kv[layer, half, 0].transpose(0, 1)
+    logical_of = torch.maximum(logical_pages(tables[0], 49), logical_pages(tables[1], 49))  # disjoint pages
+    for window in (None, WINDOW):
+        lists = chunk_block_lists(100, 200, window, PAGE, "cpu")
+        q = torch.randn(1, HEADS_TINY, 200, DIM, generator=gen)
+        for layer in range(2):
+            got = paged_prefill_attention(q, pool, tables[layer], 100, window, logical_of=logical_of, lists=lists,
+                                          compile=True)
+            want = _reference(q, kv[layer, 0], kv[layer, 1], 100, window)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_the_bench_runs_the_paged_ways_on_the_cpu():
     rows = measure(((8, 64, None), (8, 64, 32), (3, 70, None)), ["flex-paged", "flex-paged-big"], "cpu",
                    torch.float32, repeats=1)
-    assert all(r["max_diff"] < 1e-4 and r["first_ms"] is not None and r["note"].startswith("mask ") for r in rows), rows
+    assert all(r["max_diff"] < 1e-4 and r["first_ms"] is not None for r in rows), rows
+    assert all(r["note"].startswith("mask: lists ") and "per layer" in r["note"] for r in rows), rows
 
 
 def test_the_triton_way_is_for_short_chunks():
