@@ -45,7 +45,7 @@ def test_run_reports_the_servers_on_stderr_and_calls_the_tool(workspace, capsys)
     events = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and events[-1]["result"] == "It is 5."
     assert "mcp__calc__add" in events[0]["tools"] and "mcp__broken__add" not in json.dumps(events[0])
-    assert "northcode run: MCP server calc: ready, 7 tools" in err
+    assert "northcode run: MCP server calc: ready, 8 tools" in err
     assert "northcode run: MCP server broken: failed: cannot start '/nonexistent/mcp-server'" in err
     assert f"northcode run: MCP configuration: {workspace / 'opencode.json'}: mcp.odd: type 'sse'" in err
     assert '→ mcp calc: add {"a": 2, "b": 3}' in err
@@ -71,7 +71,7 @@ async def test_the_app_reports_the_servers_asks_before_a_call_and_lists_them(wor
         async with app.run_test(size=(120, 40)) as pilot:
             await until(pilot, lambda: app.agent is not None and any("calc: ready" in n for n in notices(app)))
             shown = "\n".join(notices(app))
-            assert "MCP server calc: ready, 7 tools (/mcp lists them)" in shown
+            assert "MCP server calc: ready, 8 tools (/mcp lists them)" in shown
             assert "MCP server broken failed to start: cannot start '/nonexistent/mcp-server'" in shown
             assert "MCP configuration: " in shown and "mcp.odd: type 'sse'" in shown
             app.query_one(PromptInput).text = "note it"
@@ -85,7 +85,7 @@ async def test_the_app_reports_the_servers_asks_before_a_call_and_lists_them(wor
             await pilot.press("enter")
             await until(pilot, lambda: any(n.startswith("MCP servers:") for n in notices(app)))
             listing = next(n for n in notices(app) if n.startswith("MCP servers:"))
-            assert "calc (stdio: " in listing and "ready, 7 tools" in listing and "[.mcp.json]" in listing
+            assert "calc (stdio: " in listing and "ready, 8 tools" in listing and "[.mcp.json]" in listing
             assert "mcp__calc__add (read-only)" in listing and "broken (stdio: /nonexistent/mcp-server): failed" in listing
             app.query_one(PromptInput).text = "stop the server"
             await pilot.press("enter")

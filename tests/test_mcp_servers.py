@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError as ServerToolError
 from mcp.types import ImageContent, TextContent, ToolAnnotations
 
@@ -53,6 +53,17 @@ def build_server(notes: list[str]) -> MCPServer:
     def pid() -> int:
         """The server's process id."""
         return os.getpid()
+
+    @server.tool()
+    async def grow(ctx: Context) -> str:
+        """Add a tool named extra, and say the tools changed."""
+        def extra() -> str:
+            """A tool that was not there at first."""
+            return "extra!"
+
+        server.add_tool(extra)
+        await ctx.notify_tools_changed()
+        return "grown"
 
     @server.tool()
     def die() -> str:
@@ -253,7 +264,7 @@ async def test_servers_that_fail_to_start_are_reported_and_the_others_work(works
         assert sorted(changes) == sorted([(n, "failed") for n in ("missing", "exits", "slow", "unreachable")]
                                          + [("calc", "ready")])
         assert {tool.server for tool in servers.tools()} == {"calc"}
-        assert any("calc (stdio" in line and "ready, 7 tools" in line for line in servers.summary())
+        assert any("calc (stdio" in line and "ready, 8 tools" in line for line in servers.summary())
     finally:
         await servers.aclose()
     await until_gone(int(pid_file.read_text()))  # the server past its time limit was ended
@@ -364,3 +375,23 @@ async def test_the_first_request_waits_for_the_servers_starting(workspace, tmp_p
     finally:
         await starting
         await servers.aclose()
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_tools_are_listed_again_when_the_server_says_they_changed(workspace, tmp_path, transport):
+    changes = []
+    with HttpMcpServer() as http_server:
+        config = stdio_config() if transport == "stdio" else ServerConfig("calc", "http", Path("t"), url=http_server.url)
+        servers = McpServers([config], workspace.root, tmp_path, on_change=lambda s: changes.append(len(s.tools)))
+        await servers.start()
+        try:
+            assert servers.find("mcp__calc__extra") is None
+            assert await servers.call(servers.find("mcp__calc__grow"), {}) == "grown"
+            deadline = time.monotonic() + 5
+            while servers.find("mcp__calc__extra") is None:
+                assert time.monotonic() < deadline, "the new tool was not listed"
+                await asyncio.sleep(0.02)
+            assert await servers.call(servers.find("mcp__calc__extra"), {}) == "extra!"
+            assert changes == [8, 9]
+        finally:
+            await servers.aclose()

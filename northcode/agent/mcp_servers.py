@@ -3,7 +3,8 @@
 Each enabled server (mcp_config.py) gets one asyncio task that holds its connection open (the SDK's Client is
 entered and left in one task) until `aclose`; `start` starts them all at once and waits for each up to its time
 limit. A stdio server runs in the workspace folder with its stderr in a log file (never the terminal the app
-draws on). Its tools are offered as mcp__<server>__<tool> with the server's JSON schema as their parameters. A
+draws on). Its tools are offered as mcp__<server>__<tool> with the server's JSON schema as their parameters, listed
+again when the server says they changed (subscriptions/listen, or a 2025-era server's notification). A
 server that fails to start, exits or loses its connection becomes "failed" with the reason; `on_change` tells
 the UI, its tools leave the next request, the others go on. No approvals here: tools.py wraps each call in a
 PreparedCall of kind "mcp" and approvals.py decides on it.
@@ -63,6 +64,7 @@ class McpServer:
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set once ready or failed
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # the server's stream ended (it exited)
+    tools_changed: asyncio.Event = field(default_factory=asyncio.Event)  # the server said its tool list changed
     task: asyncio.Task | None = None
 
     @property
@@ -77,7 +79,8 @@ class McpServer:
 
 
 class McpServers:
-    """The MCP servers of one workspace; `on_change(server)` hears each one that becomes ready or fails."""
+    """The MCP servers of one workspace; `on_change(server)` hears each one that becomes ready, changes its tools or
+    fails."""
 
     def __init__(self, configs: list[ServerConfig], root: Path, log_dir: Path,
                  on_change: Callable[[McpServer], None] | None = None) -> None:
@@ -130,12 +133,14 @@ class McpServers:
                 server.client, server.state = client, "ready"
                 server.started.set()
                 self.on_change(server)
-                stop, closed = asyncio.create_task(server.stop.wait()), asyncio.create_task(server.closed.wait())
+                listener = asyncio.create_task(_listen_for_tool_changes(client, server))
                 try:
-                    await asyncio.wait([stop, closed], return_when=asyncio.FIRST_COMPLETED)
+                    while await _until_set(server.stop, server.closed, server.tools_changed) is server.tools_changed:
+                        server.tools_changed.clear()
+                        server.tools = await _list_tools(client, server.name)
+                        self.on_change(server)
                 finally:
-                    stop.cancel()
-                    closed.cancel()
+                    listener.cancel()
                 server.client = None
                 if not server.stop.is_set():
                     raise ConnectionError("the server exited")
@@ -159,8 +164,14 @@ class McpServers:
     @asynccontextmanager
     async def _client(self, server: McpServer) -> AsyncIterator[Any]:
         from mcp import Client
+        from mcp.types import ToolListChangedNotification
 
-        async with Client(_watched(self._transport(server), server.closed), client_info=_client_info()) as client:
+        async def on_message(message: Any) -> None:  # a 2025-era server says so unasked
+            if isinstance(message, ToolListChangedNotification):
+                server.tools_changed.set()
+
+        async with Client(_watched(self._transport(server), server.closed), client_info=_client_info(),
+                          message_handler=on_message) as client:
             yield client
 
     @asynccontextmanager
@@ -275,6 +286,30 @@ async def _list_tools(client: Any, server: str) -> list[McpTool]:
         cursor = page.next_cursor
         if not cursor:
             return tools
+
+
+async def _listen_for_tool_changes(client: Any, server: McpServer) -> None:
+    """Set `server.tools_changed` at each change a 2026-era server reports through subscriptions/listen."""
+    capability = client.server_capabilities.tools
+    if capability is None or not capability.list_changed:
+        return
+    try:
+        async with client.listen(tools_list_changed=True) as subscription:
+            async for _ in subscription:
+                server.tools_changed.set()
+    except Exception as err:  # an older protocol (it notifies unasked), or the connection went (the holder sees it)
+        log.debug("MCP server %s: no tool-change events (%s)", server.name, err)
+
+
+async def _until_set(*events: asyncio.Event) -> asyncio.Event:
+    """The first of `events` that is set (waiting for one when none is)."""
+    waiters = {asyncio.create_task(event.wait()): event for event in events}
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    return next(event for event in events if event.is_set())
 
 
 def _client_info() -> Any:

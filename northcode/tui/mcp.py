@@ -38,7 +38,9 @@ class AppMcpServers:
         await self.servers.aclose()
 
     def on_change(self, server: McpServer) -> None:
-        if server.state == "ready":
+        if server.state == "ready" and server.name in self.ready_once:
+            notice = Notice(f"MCP server {server.name} changed its tools: {len(server.tools)} now (/mcp lists them)")
+        elif server.state == "ready":
             self.ready_once.add(server.name)
             notice = Notice(f"MCP server {server.name}: ready, {len(server.tools)} tools (/mcp lists them)")
         elif server.name in self.ready_once:
