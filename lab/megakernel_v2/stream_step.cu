@@ -49,11 +49,6 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #define RG 4
 #endif
 // ATTN3: the producer reads 8 block-table entries at once.
-// GLOBAL_A: o_proj and down take their A fragments from L2 into registers (act in shared memory holds only
-// attention's q), so that the ring has the freed shared memory (B=8: 10 stages instead of 6).
-#ifndef GLOBAL_A
-#define GLOBAL_A 0
-#endif
 #ifndef ATTN3
 #define ATTN3 1
 #endif
@@ -62,7 +57,13 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef SIGNALLER
 #define SIGNALLER 1
 #endif
-constexpr int kConsumers = 8, kCB = 32 * (1 + SIGNALLER), kThreads = kCB + 32 * kConsumers;  // kCB: consumer 0
+// REGS=1: the producer and the signaller take a warpgroup of their own (warps 2-3 idle) and give registers to the
+// consumers' two warpgroups through setmaxnreg (a 9- or 10-warp block is allocated as 12 warps: 168 a thread).
+#ifndef REGS
+#define REGS 0
+#endif
+constexpr int kLowRegs = 40, kHighRegs = 232;  // REGS: 4 x 32 x 40 + 8 x 32 x 232 <= 64K
+constexpr int kConsumers = 8, kCB = REGS ? 128 : 32 * (1 + SIGNALLER), kThreads = kCB + 32 * kConsumers;  // kCB: consumer 0
 constexpr int kSig = 8;  // the signal queue's slots
 constexpr int kStageBytes = 16384, kMaxStages = 14;
 constexpr int kHStride = H + 8;          // bf16, padded: conflict-free A loads
@@ -278,7 +279,7 @@ struct Smem {
 __host__ __device__ constexpr size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 __host__ __device__ inline size_t h_bytes(int batch) { return round_up((size_t)batch * kHStride * 2, 1024); }
 __host__ __device__ inline size_t act_bytes(int batch) {
-  const size_t q = (size_t)GROUP * kQStride * 2, rows = GLOBAL_A ? 0 : (size_t)batch * kActStride * 2;
+  const size_t q = (size_t)GROUP * kQStride * 2, rows = (size_t)batch * kActStride * 2;
   return round_up(rows > q ? rows : q, 1024);
 }
 constexpr size_t kSmemLimit = 232448;  // bytes a block may have on sm_90
@@ -520,16 +521,15 @@ __device__ void load_h(const Params& p, Smem& s, int l) {
 }
 
 // A fragments of the warp's KS k16 steps in box kb (k offset kb * box_k): [step][2 regs], rows >= batch zero.
-template <int KS, bool kGlobal>
+template <int KS>
 __device__ __forceinline__ void load_a(unsigned (&a)[KS][2], const bf16* act, int stride, int batch, int k_base) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - kCB / 32, g = lane / 4, c = lane % 4;
   const bool ok = g < batch;
 #pragma unroll
   for (int j = 0; j < KS; ++j) {
     const int k0 = k_base + (warp * KS + j) * 16 + 2 * c;
-    const unsigned* at = reinterpret_cast<const unsigned*>(act + g * stride + k0);
-    a[j][0] = ok ? (kGlobal ? __ldcg(at) : *at) : 0u;
-    a[j][1] = ok ? (kGlobal ? __ldcg(at + 4) : at[4]) : 0u;
+    a[j][0] = ok ? *reinterpret_cast<const unsigned*>(act + g * stride + k0) : 0u;
+    a[j][1] = ok ? *reinterpret_cast<const unsigned*>(act + g * stride + k0 + 8) : 0u;
   }
 }
 
@@ -555,15 +555,14 @@ __device__ __forceinline__ void box_product(float (&acc)[ACC][4], const unsigned
 
 // The product of `groups` 8-row groups of a matrix with `act`; epi(group, b, r, value) for b < B (thread < 64,
 // groups in order: an epilogue may carry a value from one group to the next).
-// kGlobal: act is in global memory (written by other blocks in this step: read through L2).
-template <int NK, int KS, bool kGlobal = false, class Epi>
+template <int NK, int KS, class Epi>
 __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, const bf16* act, int stride, Epi epi) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - kCB / 32, tid = threadIdx.x - kCB, gq = lane / 4, c = lane % 4;
-  constexpr bool kKeepA = NK * KS <= (kGlobal ? 32 : 16);  // the A fragments of every box stay in registers for the whole call
+  constexpr bool kKeepA = NK * KS <= 16;  // the A fragments of every box stay in registers for the whole call
   unsigned a_all[kKeepA ? NK : 1][KS][2];
   if (kKeepA) {
 #pragma unroll
-    for (int kb = 0; kb < (kKeepA ? NK : 1); ++kb) load_a<KS, kGlobal>(a_all[kb], act, stride, p.batch, kb * KS * 8 * 16);
+    for (int kb = 0; kb < (kKeepA ? NK : 1); ++kb) load_a<KS>(a_all[kb], act, stride, p.batch, kb * KS * 8 * 16);
   }
   int parity = 0;
   for (int g0 = 0; g0 < groups; g0 += RG, parity ^= 1) {
@@ -575,7 +574,7 @@ __device__ void consume_rows(const Params& p, Smem& s, Stream& st, int groups, c
 #pragma unroll
       for (int kb = 0; kb < NK; ++kb) {
         unsigned a[KS][2];
-        if (!kKeepA) load_a<KS, kGlobal>(a, act, stride, p.batch, kb * KS * 8 * 16);
+        if (!kKeepA) load_a<KS>(a, act, stride, p.batch, kb * KS * 8 * 16);
         const int k = st.k;
         mbar_wait(&s.full[k], st.phase);
         box_product<KS>(accs[gi], sm_ring(s) + (size_t)k * kStageBytes, kKeepA ? a_all[kKeepA ? kb : 0] : a);
@@ -698,46 +697,35 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   finish(p, s, t);
 }
 
-__device__ void load_act(Smem& s, const bf16* in, int batch, int width) {  // in [B, width] -> sm_act(s)
-  const int tid = threadIdx.x - kCB;
-  for (int i = tid; i < batch * width / 8; i += kConsumers * 32) {
-    const int b = i / (width / 8), c = i % (width / 8);
-    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
-  }
-  consumer_sync();
-}
-
 __device__ void consume_oproj(const Params& p, Smem& s, Stream& st, const Task& t) {
   wait_for(p, t.wait, t.target);
+  const int tid = threadIdx.x - kCB;
+  for (int i = tid; i < p.batch * QSIZE / 8; i += kConsumers * 32) {
+    const int b = i / (QSIZE / 8), c = i % (QSIZE / 8);
+    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&p.attn_out[b * QSIZE + 8 * c]));
+  }
+  consumer_sync();
   float* x_next = p.x + (size_t)(t.layer + 1) * p.batch * H;
   const int row0 = 8 * t.a[0];
-  auto epi = [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); };
-#if GLOBAL_A
-  consume_rows<4, 8, true>(p, s, st, t.a[1], p.attn_out, QSIZE, epi);
-#else
-  load_act(s, p.attn_out, p.batch, QSIZE);
-  consume_rows<4, 8>(p, s, st, t.a[1], sm_act(s), kActStride, epi);
-#endif
+  consume_rows<4, 8>(p, s, st, t.a[1], sm_act(s), kActStride,
+                     [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
   finish(p, s, t);
 }
 
 // Top-k of every row's router logits, the distinct experts as slots (ascending), and each (slot, row) weight.
-// TOPK1: in one pass: thread e of each half ranks expert e's logit in its rows (ties to the lower index) against
-// the row in shared memory, and keeps its weight where the rank is below TOPK (-1 elsewhere); no serial rounds.
-#ifndef TOPK1
-#define TOPK1 0
-#endif
+// Up to 2 rows, in one pass: thread e of each half ranks expert e's logit in its row (ties to the lower index)
+// against the row in shared memory, and keeps its weight where the rank is below TOPK (-1 elsewhere). From 3 rows,
+// TOPK rounds of warp argmax, a warp a row (the rank pass would take a half 2-4 rows in turn: slower at B=8).
 __device__ void topk(const Params& p, Smem& s, const Task& t) {
+  static_assert(kConsumers * 32 == 2 * E && MAXB * E <= kConsumers * 64 * RG, "top-k: two halves of E threads");
   const int l = t.layer, tid = threadIdx.x - kCB, warp = tid / 32, lane = tid % 32;
-#if TOPK1
-  static_assert(kConsumers * 32 == 2 * E && MAXB * E <= kConsumers * 64 * RG, "TOPK1: two halves of E threads");
-  float* logit = s.red[0][0];   // [B][E]
-  float* pick = s.red[1][0];    // [B][E]: the weight of (row, expert), -1 where not chosen
-  for (int i = tid; i < p.batch * E; i += kConsumers * 32) logit[i] = __ldcg(&p.router[i]);
-  consumer_sync();
-  {
-    const int e = tid % E;
-    for (int b = tid / E; b < p.batch; b += 2) {
+  float* pick = s.red[1][0];  // [B][E]: the weight of (row, expert), -1 where not chosen
+  if (p.batch <= 2) {
+    float* logit = s.red[0][0];  // [B][E]
+    for (int i = tid; i < p.batch * E; i += kConsumers * 32) logit[i] = __ldcg(&p.router[i]);
+    consumer_sync();
+    const int e = tid % E, b = tid / E;
+    if (b < p.batch) {
       const float* row = logit + b * E;
       const float v = row[e];
       int rank = 0;
@@ -748,8 +736,33 @@ __device__ void topk(const Params& p, Smem& s, const Task& t) {
       }
       pick[b * E + e] = rank < TOPK ? 1.f / (1.f + __expf(-v)) : -1.f;
     }
+  } else {
+    for (int i = tid; i < p.batch * E; i += kConsumers * 32) pick[i] = -1.f;
+    consumer_sync();
+    for (int b = warp; b < p.batch; b += kConsumers) {
+      float v[E / 32];
+#pragma unroll
+      for (int j = 0; j < E / 32; ++j) v[j] = __ldcg(&p.router[b * E + lane + 32 * j]);
+      for (int k = 0; k < TOPK; ++k) {
+        float best = -INFINITY;
+        int arg = 0;
+#pragma unroll
+        for (int j = 0; j < E / 32; ++j)
+          if (v[j] > best) { best = v[j]; arg = lane + 32 * j; }
+        for (int o = 16; o; o >>= 1) {
+          const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+          const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+          if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
+        }
+#pragma unroll
+        for (int j = 0; j < E / 32; ++j)
+          if (lane + 32 * j == arg) v[j] = -INFINITY;
+        if (lane == 0) pick[b * E + arg] = 1.f / (1.f + __expf(-best));
+      }
+    }
   }
   consumer_sync();
+  // the distinct experts, ascending: expert e (thread e < E) ranks itself among the used ones
   bool used = false;
   if (tid < E)
     for (int b = 0; b < p.batch; ++b) used |= pick[b * E + tid] >= 0.f;
@@ -770,57 +783,6 @@ __device__ void topk(const Params& p, Smem& s, const Task& t) {
     for (int k = 0; k < E / 32; ++k) n += warp_count[k];
     slots[0] = n;
   }
-#else
-  int* chosen = reinterpret_cast<int*>(s.red[0]);           // [B][TOPK]
-  float* weight = reinterpret_cast<float*>(s.red[1]);       // [B][TOPK]
-  for (int b = warp; b < p.batch; b += kConsumers) {
-    float v[E / 32];
-#pragma unroll
-    for (int j = 0; j < E / 32; ++j) v[j] = __ldcg(&p.router[b * E + lane + 32 * j]);
-    for (int k = 0; k < TOPK; ++k) {
-      float best = -INFINITY;
-      int arg = 0;
-#pragma unroll
-      for (int j = 0; j < E / 32; ++j)
-        if (v[j] > best) { best = v[j]; arg = lane + 32 * j; }
-      for (int o = 16; o; o >>= 1) {
-        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
-        if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
-      }
-#pragma unroll
-      for (int j = 0; j < E / 32; ++j)
-        if (lane + 32 * j == arg) v[j] = -INFINITY;
-      if (lane == 0) { chosen[b * TOPK + k] = arg; weight[b * TOPK + k] = 1.f / (1.f + __expf(-best)); }
-    }
-  }
-  consumer_sync();
-  // the distinct experts, ascending: expert e (thread e < E) ranks itself among the used ones
-  bool used = false;
-  if (tid < E)
-    for (int i = 0; i < p.batch * TOPK; ++i) used |= chosen[i] == tid;
-  const unsigned ballot = __ballot_sync(0xffffffffu, used);
-  int* warp_count = reinterpret_cast<int*>(s.red[0]) + 256;
-  if (lane == 0 && warp < E / 32) warp_count[warp] = __popc(ballot);
-  consumer_sync();
-  int* slots = p.slots + l * (1 + MAX_SLOTS);
-  float* w = p.slot_w + (size_t)l * MAX_SLOTS * p.batch;
-  if (used) {
-    int rank = __popc(ballot & ((1u << lane) - 1));
-    for (int k = 0; k < warp; ++k) rank += warp_count[k];
-    slots[1 + rank] = tid;
-    for (int b = 0; b < p.batch; ++b) {
-      float wb = 0.f;
-      for (int k = 0; k < TOPK; ++k) if (chosen[b * TOPK + k] == tid) wb = weight[b * TOPK + k];
-      w[rank * p.batch + b] = wb;
-    }
-  }
-  if (tid == 0) {
-    int n = 0;
-    for (int k = 0; k < E / 32; ++k) n += warp_count[k];
-    slots[0] = n;
-  }
-#endif
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
@@ -846,9 +808,11 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
   if (slot >= 0 && slot >= up_count(p, l)) { finish(p, s, t); return; }
   const int width = slot < 0 ? DENSE_I : I;
   const bf16* in = p.moe_act + (size_t)(slot < 0 ? MAX_SLOTS : slot) * p.batch * DENSE_I;
-#if !GLOBAL_A
-  load_act(s, in, p.batch, width);
-#endif
+  for (int i = tid; i < p.batch * width / 8; i += kConsumers * 32) {
+    const int b = i / (width / 8), c = i % (width / 8);
+    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
+  }
+  consumer_sync();
   float* x_next = p.x + (size_t)(l + 1) * p.batch * H;
   const float* w = p.slot_w + ((size_t)l * MAX_SLOTS + max(slot, 0)) * p.batch;
   const int row0 = 8 * t.a[1];
@@ -856,13 +820,8 @@ __device__ void consume_down(const Params& p, Smem& s, Stream& st, const Task& t
     const float wb = slot < 0 ? 1.f : __ldcg(&w[b]);
     if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
   };
-#if GLOBAL_A
-  if (slot < 0) consume_rows<3, 8, true>(p, s, st, t.a[2], in, width, epi);
-  else consume_rows<1, 6, true>(p, s, st, t.a[2], in, width, epi);
-#else
   if (slot < 0) consume_rows<3, 8>(p, s, st, t.a[2], sm_act(s), kActStride, epi);
   else consume_rows<1, 6>(p, s, st, t.a[2], sm_act(s), kActStride, epi);
-#endif
   finish(p, s, t);
 }
 
@@ -871,6 +830,14 @@ __device__ void spin_consumers(const Params& p, int counter, int target) {  // t
   consumer_sync();
 }
 
+__device__ void load_act(Smem& s, const bf16* in, int batch, int width) {  // in [B, width] -> sm_act(s)
+  const int tid = threadIdx.x - kCB;
+  for (int i = tid; i < batch * width / 8; i += kConsumers * 32) {
+    const int b = i / (width / 8), c = i % (width / 8);
+    *reinterpret_cast<uint4*>(&sm_act(s)[b * kActStride + 8 * c]) = __ldcg(reinterpret_cast<const uint4*>(&in[b * width + 8 * c]));
+  }
+  consumer_sync();
+}
 
 // The drain's consumers: the tile id sits beside its first stage (peeked here, released by the product).
 __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& t) {
@@ -904,33 +871,21 @@ __device__ void consume_drain(const Params& p, Smem& s, Stream& st, const Task& 
       if (threadIdx.x == kCB) post_signal(p, s, ctr(l, C_UP + d.slot));
     } else if (d.kind == 1) {
       spin_consumers(p, ctr(l, C_UP + d.slot), up_tiles_per_slot(p, dense));
-      const bf16* in = p.moe_act + (size_t)slot_buf * p.batch * DENSE_I;
-#if !GLOBAL_A
-      load_act(s, in, p.batch, width);
-#endif
+      load_act(s, p.moe_act + (size_t)slot_buf * p.batch * DENSE_I, p.batch, width);
       const float* w = p.slot_w + ((size_t)l * MAX_SLOTS + d.slot) * p.batch;
       const int row0 = 8 * d.g0;
       auto epi = [&](int g, int b, int r, float v) {
         const float wb = dense ? 1.f : __ldcg(&w[b]);
         if (wb != 0.f) atomicAdd(&x_next[b * H + row0 + 8 * g + r], wb * v);
       };
-#if GLOBAL_A
-      if (dense) consume_rows<3, 8, true>(p, s, st, d.groups, in, width, epi);
-      else consume_rows<1, 6, true>(p, s, st, d.groups, in, width, epi);
-#else
       if (dense) consume_rows<3, 8>(p, s, st, d.groups, sm_act(s), kActStride, epi);
       else consume_rows<1, 6>(p, s, st, d.groups, sm_act(s), kActStride, epi);
-#endif
     } else {
       spin_consumers(p, ctr(l, C_ATTN), p.batch * KVH);
-      const int row0 = 8 * d.g0;
-      auto epi = [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); };
-#if GLOBAL_A
-      consume_rows<4, 8, true>(p, s, st, d.groups, p.attn_out, QSIZE, epi);
-#else
       load_act(s, p.attn_out, p.batch, QSIZE);
-      consume_rows<4, 8>(p, s, st, d.groups, sm_act(s), kActStride, epi);
-#endif
+      const int row0 = 8 * d.g0;
+      consume_rows<4, 8>(p, s, st, d.groups, sm_act(s), kActStride,
+                         [&](int g, int b, int r, float v) { atomicAdd(&x_next[b * H + row0 + 8 * g + r], v); });
     }
   }
   if (!SIGNALLER) fence_gpu();
@@ -1187,14 +1142,17 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
   __syncthreads();
   const Task* list = p.tasks + p.task_start[blockIdx.x];
   const int n = p.task_start[blockIdx.x + 1] - p.task_start[blockIdx.x];
-  if (threadIdx.x < 32) {
+  if (threadIdx.x < kCB) {  // the producer's and the signaller's warpgroup: never rejoins the consumers' code
+#if REGS
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kLowRegs));
+#endif
     if (threadIdx.x == 0) produce(p, maps, s, list, n);
+    else if (threadIdx.x == 32) run_signaller(p, s);
     return;
   }
-  if (threadIdx.x < kCB) {
-    if (threadIdx.x == 32) run_signaller(p, s);
-    return;
-  }
+#if REGS
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kHighRegs));
+#endif
   if (threadIdx.x == kCB && blockIdx.x == 0) { p.clocks[0] = clock64(); p.clocks[1] = global_ns(); }
   Stream st;
   for (int i = 0; i < n; ++i) {
