@@ -177,10 +177,13 @@ def timed(fn: Callable, args: tuple, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(tokens: list[int], geo: dict, device, dtype, repeats: int) -> list[dict]:
-    """One row per (T, part): ms, TFLOP/s for GEMM rows, share of dense-mm's rate; one "floor" row per T."""
+def measure(tokens: list[int], geo: dict, device, dtype, repeats: int,
+            report: Callable[[dict], None] | None = None) -> list[dict]:
+    """One row per (T, part): ms, TFLOP/s for GEMM rows, share of dense-mm's rate; one "floor" row per T.
+    report: called with each T's rows as they are done."""
     rows = []
     for num_tokens in tokens:
+        first = len(rows)
         case = layer_case(num_tokens, geo, device, dtype)
         flops = moe_flops(num_tokens, geo)
         cells = {}
@@ -203,16 +206,22 @@ def measure(tokens: list[int], geo: dict, device, dtype, repeats: int) -> list[d
         note = f"max(dense-mm, experts' bytes at {READ_TBPS} TB/s = {bytes_ms:.3f} ms)"
         rows.append(dict(tokens=num_tokens, part="floor", ms=floor_ms, tflops=flops / (floor_ms * 1e-3) / 1e12,
                          of_ceiling=None, note=note))
+        for row in rows[first:] if report is not None else ():
+            report(row)
     return rows
 
 
-def format_rows(rows: list[dict]) -> str:
+HEADER = f"{'T':>6}  {'part':<18}{'ms':>9}{'TFLOP/s':>9}{'of dense':>9}  note"
+
+
+def format_row(r: dict) -> str:
     num = lambda x, f: format(x, f) if x is not None else "-"  # noqa: E731
-    lines = [f"{'T':>6}  {'part':<18}{'ms':>9}{'TFLOP/s':>9}{'of dense':>9}  note"]
-    for r in rows:
-        lines.append(f"{r['tokens']:>6}  {r['part']:<18}{num(r['ms'], '.3f'):>9}{num(r['tflops'], '.0f'):>9}"
-                     f"{num(r['of_ceiling'], '.0%'):>9}  {r['note']}")
-    return "\n".join(lines)
+    return (f"{r['tokens']:>6}  {r['part']:<18}{num(r['ms'], '.3f'):>9}{num(r['tflops'], '.0f'):>9}"
+            f"{num(r['of_ceiling'], '.0%'):>9}  {r['note']}")
+
+
+def format_rows(rows: list[dict]) -> str:
+    return "\n".join([HEADER] + [format_row(r) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens if not tiny or args.tokens != [2048, 8192, 16384] else [16, 64]
     print(f"experts {geo['num_experts']} x (H {geo['hidden_size']}, I {geo['intermediate_size']}), top "
           f"{geo['num_experts_per_tok']}, {dtype}, {device}; experts' bytes {expert_bytes(geo, dtype) / 1e9:.2f} GB")
-    print(format_rows(measure(tokens, geo, device, dtype, args.repeats)))
+    print(HEADER, flush=True)
+    measure(tokens, geo, device, dtype, args.repeats, report=lambda row: print(format_row(row), flush=True))
     return 0
 
 

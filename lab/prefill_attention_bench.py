@@ -43,11 +43,12 @@ import torch.nn.functional as F
 
 WAYS = ("efficient-mask", "efficient-mask-gqa", "efficient-causal", "flash-causal", "flash-causal-gqa", "cudnn-mask",
         "flex", "flex-paged", "flex-paged-big", "flex-paged-triton")
-# (queries, keys, window): a chunk of 2048 on a full layer at 4K, 16K and 32K, on a sliding layer (keys from the
-# window's start), a warm turn of 40 tokens on 4K cached, full and sliding, issue 25's turns: +2K on 20K
-# cached and +32 on 32K (full layers), and +8 on 32K (where flex may take its decoding kernel)
-SHAPES = ((2048, 4096, None), (2048, 16384, None), (2048, 32768, None), (2048, 6144, 4096), (40, 4136, None),
-          (40, 4136, 4096), (2048, 22528, None), (32, 32800, None), (8, 32776, None))
+# (queries, keys, window), most telling first (the rows print as they are done): a chunk of 2048 on a full layer
+# at 16K, a warm turn of 40 tokens on 4K cached, +8 on 32K (where flex may take its decoding kernel), a chunk of
+# 2048 on a sliding layer (keys from the window's start), then on full layers at 32K and 4K, issue 25's turns
+# +2K on 20K cached and +32 on 32K, and the warm turn on a sliding layer
+SHAPES = ((2048, 16384, None), (40, 4136, None), (8, 32776, None), (2048, 6144, 4096), (2048, 32768, None),
+          (2048, 4096, None), (2048, 22528, None), (32, 32800, None), (40, 4136, 4096))
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 PAGE_SIZE = 64  # settings.PAGE_SIZE
 POOL_PAGES = 30_000  # 2 x 30001 x 64 x 4 x 128 = 1.97e9 elements (3.9 GB bf16): under 2^31
@@ -205,48 +206,64 @@ def inputs(t: int, s: int, device, dtype, seed: int = 0) -> tuple:
     return make(HEADS, t), make(KV_HEADS, s), make(KV_HEADS, s)
 
 
-def measure(shapes, ways, device, dtype, repeats: int) -> list[dict]:
-    """One row per (shape, way): median ms, first call on a new shape ms, max |difference| from fp32."""
+def measure(shapes, ways, device, dtype, repeats: int, report: Callable[[dict], None] | None = None) -> list[dict]:
+    """One row per (shape, way): median ms, first call on a new shape ms, max |difference| from fp32. report: called
+    with each row as it is done (a device phase cut at its time limit keeps the rows before)."""
     rows = []
     for t, s, window in shapes:
         q, k, v = inputs(t, s, device, dtype)
         want = reference(q, k, v, window)
         for name in ways:
-            fn = way_function(name, window)
-            if fn is SHORT_ONLY:
-                fn = paged_function(window, "TRITON") if t <= SHORT_QUERIES else None
-            row = dict(queries=t, keys=s, window=window, way=name, ms=None, first_ms=None, max_diff=None, note="")
-            rows.append(row)
-            if fn is None:
-                row["note"] = "full layers only" if name != "flex-paged-triton" else SHORT_ONLY
-                continue
-            paged = PAGED_WAYS.get(name)
-            args = (q, k, v) if paged is None else paged_case(q, k, v, paged)
-            try:
-                row["max_diff"] = (fn(*args).float() - want).abs().max().item()
-                row["ms"] = 1e3 * timed(fn, args, repeats)
-                fresh = inputs(t + 1, s + 64, device, dtype, seed=1)  # a shape this way has not seen
-                row["first_ms"] = 1e3 * timed(fn, fresh if paged is None else paged_case(*fresh, paged, seed=1), 1)
-                if paged is not None:
-                    lists, per_layer = mask_functions(window)
-                    built = lists(*args)
-                    row["note"] = (f"mask: lists {1e3 * timed(lists, args, repeats):.3f} ms, per layer "
-                                   f"{1e3 * timed(per_layer, (*args, built), repeats):.3f} ms")
-            except Exception as err:  # a kernel that does not take this case (the CPU, no cuDNN, an old GPU), or
-                # a compile that fails (inductor raises its own errors, not RuntimeError)
-                first_line = (str(err).splitlines() or [type(err).__name__])[0]
-                row["note"] = "no such kernel here" if "No viable backend" in first_line else first_line[:80]
+            rows.append(measure_way(name, q, k, v, want, window, repeats))
+            if report is not None:
+                report(rows[-1])
     return rows
 
 
+def measure_way(name: str, q, k, v, want, window: int | None, repeats: int) -> dict:
+    t, s = q.shape[2], k.shape[2]
+    fn = way_function(name, window)
+    if fn is SHORT_ONLY:
+        fn = paged_function(window, "TRITON") if t <= SHORT_QUERIES else None
+    row = dict(queries=t, keys=s, window=window, way=name, ms=None, first_ms=None, max_diff=None, note="")
+    if fn is None:
+        row["note"] = "full layers only" if name != "flex-paged-triton" else SHORT_ONLY
+        return row
+    paged = PAGED_WAYS.get(name)
+    args = (q, k, v) if paged is None else paged_case(q, k, v, paged)
+    notes = []
+    try:
+        began = time.perf_counter()
+        row["max_diff"] = (fn(*args).float() - want).abs().max().item()
+        if time.perf_counter() - began > 1:  # a compile (flex: the first chunk of its kind) or a plan (cuDNN)
+            notes.append(f"first call {time.perf_counter() - began:.1f} s")
+        row["ms"] = 1e3 * timed(fn, args, repeats)
+        fresh = inputs(t + 1, s + 64, q.device, q.dtype, seed=1)  # a shape this way has not seen
+        row["first_ms"] = 1e3 * timed(fn, fresh if paged is None else paged_case(*fresh, paged, seed=1), 1)
+        if paged is not None:
+            lists, per_layer = mask_functions(window)
+            built = lists(*args)
+            notes.append(f"mask: lists {1e3 * timed(lists, args, repeats):.3f} ms, per layer "
+                         f"{1e3 * timed(per_layer, (*args, built), repeats):.3f} ms")
+    except Exception as err:  # a kernel that does not take this case (the CPU, no cuDNN, an old GPU), or
+        # a compile that fails (inductor raises its own errors, not RuntimeError)
+        first_line = (str(err).splitlines() or [type(err).__name__])[0]
+        notes.append("no such kernel here" if "No viable backend" in first_line else first_line[:100])
+    row["note"] = "; ".join(notes)
+    return row
+
+
+HEADER = f"{'T':>5} {'S':>6} {'window':>6}  {'way':<18}{'ms':>9}{'first ms':>10}{'max diff':>10}  note"
+
+
+def format_row(r: dict) -> str:
+    num = lambda x, f: format(x, f) if x is not None else "-"  # noqa: E731
+    return (f"{r['queries']:>5} {r['keys']:>6} {num(r['window'], 'd'):>6}  {r['way']:<18}"
+            f"{num(r['ms'], '.3f'):>9}{num(r['first_ms'], '.2f'):>10}{num(r['max_diff'], '.4f'):>10}  {r['note']}")
+
+
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'T':>5} {'S':>6} {'window':>6}  {'way':<17}{'ms':>9}{'first ms':>10}{'max diff':>10}  note"]
-    for r in rows:
-        num = lambda x, f: format(x, f) if x is not None else "-"  # noqa: E731
-        lines.append(f"{r['queries']:>5} {r['keys']:>6} {num(r['window'], 'd'):>6}  {r['way']:<17}"
-                     f"{num(r['ms'], '.3f'):>9}{num(r['first_ms'], '.2f'):>10}{num(r['max_diff'], '.4f'):>10}  "
-                     f"{r['note']}")
-    return "\n".join(lines)
+    return "\n".join([HEADER] + [format_row(r) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     shapes = SHAPES if on_gpu else tuple((t // 16 or 4, s // 16, w // 16 if w else None) for t, s, w in SHAPES)
-    print(format_rows(measure(shapes, args.ways, device, dtype, args.repeats)))
+    print(HEADER, flush=True)
+    measure(shapes, args.ways, device, dtype, args.repeats, report=lambda row: print(format_row(row), flush=True))
     return 0
 
 
