@@ -13,7 +13,9 @@ compiled flex_attention may compile), and its largest difference from an fp32 re
   flash-causal      FlashAttention-2 causal from the bottom right (what CausalBias picks first; full layers only)
   cudnn-mask        cuDNN's attention with the bool mask (SDPA's own first choice; run 109's plan per shape)
   flex              flex_attention compiled once with dynamic shapes, a block mask of the same rule, GQA in the
-                    kernel (no repeated K/V)
+                    kernel (no repeated K/V); the mask is made by create_block_mask in every call, in the time
+                    (it evaluates the rule over all T x S pairs: ~1-3 ms at T = 2048 on 16-32K, a cost the paged
+                    way's lists do not have)
   flex-paged        lab/paged_prefill_flex.py: the same kernel reading K/V in place from a paged pool of POOL_PAGES
                     pages of PAGE_SIZE (under 2^31 elements, as the compiled decode step's pool), the row's pages
                     scattered through it; the block mask is built from the page table in every call (in the time;
