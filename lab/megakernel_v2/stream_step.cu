@@ -57,13 +57,10 @@ constexpr int WINDOW = 4096, GROUP = HEADS / KVH, MAXB = 8, MAX_SLOTS = 64, MAX_
 #ifndef SIGNALLER
 #define SIGNALLER 1
 #endif
-// REGS=1: the producer and the signaller take a warpgroup of their own (warps 2-3 idle) and give registers to the
-// consumers' two warpgroups through setmaxnreg (a 9- or 10-warp block is allocated as 12 warps: 168 a thread).
-#ifndef REGS
-#define REGS 0
-#endif
-constexpr int kLowRegs = 40, kHighRegs = 232;  // REGS: 4 x 32 x 40 + 8 x 32 x 232 <= 64K
-constexpr int kConsumers = 8, kCB = REGS ? 128 : 32 * (1 + SIGNALLER), kThreads = kCB + 32 * kConsumers;  // kCB: consumer 0
+// Warps: 0 the producer, 1 the signaller, 2-3 idle, 4-11 the consumers. The first warpgroup gives registers to the
+// consumers' two through setmaxnreg (a block of 9 or 10 warps is allocated as 12 warps: 168 registers a thread).
+constexpr int kLowRegs = 40, kHighRegs = 232;  // 4 x 32 x 40 + 8 x 32 x 232 <= 64K
+constexpr int kConsumers = 8, kCB = 128, kThreads = kCB + 32 * kConsumers;  // kCB: consumer 0
 constexpr int kSig = 8;  // the signal queue's slots
 constexpr int kStageBytes = 16384, kMaxStages = 14;
 constexpr int kHStride = H + 8;          // bf16, padded: conflict-free A loads
@@ -649,12 +646,33 @@ __device__ void finish(const Params& p, Smem& s, const Task& t) {
   if (threadIdx.x == kCB && t.signal >= 0) post_signal(p, s, t.signal);
 }
 
-__device__ void add_residual(const Params& p, const Task& t) {  // x_{l+1} += x_l (one task per layer)
+// x_{l+1} += x_l (one task per layer; the router's ticket holder, before it signals top-k): a thread's loads go out
+// 8 float4s at a time before their atomics (the compiler would otherwise wait for each load in turn, as the atomics
+// may alias them: run 26's profile put ~23 us a layer at B=8 between top-k and its signal).
+__device__ void add_residual(const Params& p, const Task& t) {
   if (!(t.flags & 1)) return;
-  const int l = t.layer, tid = threadIdx.x - kCB;
-  for (int i = tid; i < p.batch * H; i += kConsumers * 32) {
-    const float v = l == 0 ? __bfloat162float(p.embed[(size_t)p.tokens[i / H] * H + i % H]) : __ldcg(&p.x[(size_t)l * p.batch * H + i]);
-    atomicAdd(&p.x[(size_t)(l + 1) * p.batch * H + i], v);
+  constexpr int kBatch = 8;  // float4s a thread has in flight
+  const int l = t.layer, tid = threadIdx.x - kCB, n4 = p.batch * H / 4;
+  float4* next = reinterpret_cast<float4*>(&p.x[(size_t)(l + 1) * p.batch * H]);
+  for (int i0 = tid; i0 < n4; i0 += kBatch * kConsumers * 32) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j * kConsumers * 32;  // float4 index: row i / (H / 4), columns 4 * (i % (H / 4)) + 0..3
+      if (i >= n4) break;
+      if (l == 0) {
+        const bf16* e = &p.embed[(size_t)p.tokens[i / (H / 4)] * H + 4 * (i % (H / 4))];
+        v[j] = make_float4(__bfloat162float(e[0]), __bfloat162float(e[1]), __bfloat162float(e[2]), __bfloat162float(e[3]));
+      } else {
+        v[j] = __ldcg(reinterpret_cast<const float4*>(&p.x[(size_t)l * p.batch * H]) + i);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j * kConsumers * 32;
+      if (i >= n4) break;
+      atomicAdd(&next[i], v[j]);
+    }
   }
 }
 
@@ -1143,16 +1161,12 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const Params p, const
   const Task* list = p.tasks + p.task_start[blockIdx.x];
   const int n = p.task_start[blockIdx.x + 1] - p.task_start[blockIdx.x];
   if (threadIdx.x < kCB) {  // the producer's and the signaller's warpgroup: never rejoins the consumers' code
-#if REGS
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kLowRegs));
-#endif
     if (threadIdx.x == 0) produce(p, maps, s, list, n);
     else if (threadIdx.x == 32) run_signaller(p, s);
     return;
   }
-#if REGS
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kHighRegs));
-#endif
   if (threadIdx.x == kCB && blockIdx.x == 0) { p.clocks[0] = clock64(); p.clocks[1] = global_ns(); }
   Stream st;
   for (int i = 0; i < n; ++i) {
