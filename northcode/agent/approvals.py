@@ -8,8 +8,8 @@ auto-edit and runs in full-auto; plan mode refuses it, or asks when its server m
 a question is allow once, allow for this session (every edit from then on; for shell, that exact command again; for
 a fetch, that URL's host; for an MCP tool, that tool) or deny, with or without a note that tells the model what to
 do instead; for an edit, also some of its hunks only. With no one to ask (headless), a call that needs a question
-is denied with a reason the model can read. The sandbox's path checks hold in every mode; approvals never widen them. Shell commands that
-can do damage beyond the workspace (sudo, recursive deletes of absolute, home or parent paths,
+is denied with a reason the model can read. The sandbox's path checks hold in every mode; approvals never widen
+them. Shell commands that can do damage beyond the workspace (sudo, recursive deletes of absolute, home or parent paths,
 force pushes, disk writes) ask even in full-auto, and are never allowed for the whole session.
 """
 
@@ -78,7 +78,8 @@ AUTO_KINDS = {Mode.PLAN: {"read", "todo"}, Mode.ASK: {"read", "todo"}, Mode.AUTO
               Mode.FULL_AUTO: {"read", "todo", "edit", "shell", "fetch", "mcp"}}
 PLAN_KINDS = {"read", "todo", "fetch"}  # fetching reads: plan mode asks for it, as ask mode does
 PLAN_REFUSAL = ("refused without asking: the session is in plan mode, which is read-only (read, list, glob, grep, "
-                "the todo list and, with the user's approval, webfetch and MCP tools marked read-only). Finish the plan and present it; the user leaves plan mode to let you {kind}")
+                "the todo list and, with the user's approval, webfetch and MCP tools marked read-only). Finish the plan "
+                "and present it; the user leaves plan mode to let you {kind}")
 PLAN_VERBS = {"edit": "edit files", "shell": "run commands", "mcp": "call MCP tools not marked read-only"}
 Asker = Callable[[PreparedCall], Awaitable[Decision | Answer]]
 

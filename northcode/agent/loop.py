@@ -293,9 +293,9 @@ class Agent:
         started = CompactEvent(trigger, self.estimated_context(), len(self.messages))
         await self._emit(started)
         params = {k: v for k, v in self.request_params.items() if k != "tool_choice"}  # a forced call is no summary
+        tools = self.toolbox.schemas() if self.use_tools else None
         try:
-            summary, left_out = await summarise(self.client, self.messages, self.toolbox.schemas() if self.use_tools else None,
-                                                **params)
+            summary, left_out = await summarise(self.client, self.messages, tools, **params)
         except (CompactError, EndpointError) as err:
             await self._emit(replace(started, error=str(err)))
             raise

@@ -214,7 +214,8 @@ class McpServers:
         """Run `tool`; its result as text for the model. McpCallError when there is none."""
         server = self.servers[tool.server]
         if server.state != "ready" or server.client is None:
-            raise McpCallError(f"MCP server {tool.server} is {server.state}{': ' + server.error if server.error else ''}")
+            why = f": {server.error}" if server.error else ""
+            raise McpCallError(f"MCP server {tool.server} is {server.state}{why}")
         from mcp import MCPError
 
         try:
@@ -225,7 +226,8 @@ class McpServers:
             if server.task is not None:  # a lost connection: let the server's task record why
                 await asyncio.wait([server.task], timeout=1.0)
             if server.state == "failed":
-                raise McpCallError(f"{tool.qualified}: no result, MCP server {tool.server} failed: {server.error}") from None
+                why = f"MCP server {tool.server} failed: {server.error}"
+                raise McpCallError(f"{tool.qualified}: no result, {why}") from None
             raise McpCallError(f"{tool.qualified} failed: {err}") from None
         text = result_text(result)
         if result.is_error:
