@@ -5,6 +5,7 @@ scripted endpoint, approvals per mode, servers that fail to start or die, and th
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError as ServerToolError
 from mcp.types import ImageContent, TextContent, ToolAnnotations
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 TESTS = Path(__file__).resolve().parent
 
@@ -62,7 +64,9 @@ def build_server(notes: list[str]) -> MCPServer:
             return "extra!"
 
         server.add_tool(extra)
-        await ctx.notify_tools_changed()
+        await ctx.notify_tools_changed()  # to subscriptions/listen (2026-07-28 sessions)
+        if ctx.request_context.session.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            await ctx.session.send_tool_list_changed()  # the notification older sessions get unasked
         return "grown"
 
     @server.tool()
@@ -377,8 +381,12 @@ async def test_the_first_request_waits_for_the_servers_starting(workspace, tmp_p
         await servers.aclose()
 
 
-@pytest.mark.parametrize("transport", ["stdio", "http"])
-async def test_tools_are_listed_again_when_the_server_says_they_changed(workspace, tmp_path, transport):
+@pytest.mark.parametrize("transport, mode", [("stdio", "auto"), ("http", "auto"), ("stdio", "legacy")])
+async def test_tools_are_listed_again_when_the_server_says_they_changed(workspace, tmp_path, transport, mode,
+                                                                         monkeypatch):
+    import mcp
+
+    monkeypatch.setattr(mcp, "Client", functools.partial(mcp.Client, mode=mode))  # legacy: a 2025-era handshake
     changes = []
     with HttpMcpServer() as http_server:
         config = stdio_config() if transport == "stdio" else ServerConfig("calc", "http", Path("t"), url=http_server.url)
@@ -386,6 +394,7 @@ async def test_tools_are_listed_again_when_the_server_says_they_changed(workspac
         await servers.start()
         try:
             assert servers.find("mcp__calc__extra") is None
+            assert (servers.servers["calc"].client.protocol_version in MODERN_PROTOCOL_VERSIONS) == (mode == "auto")
             assert await servers.call(servers.find("mcp__calc__grow"), {}) == "grown"
             deadline = time.monotonic() + 5
             while servers.find("mcp__calc__extra") is None:
