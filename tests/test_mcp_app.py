@@ -87,6 +87,7 @@ async def test_the_app_reports_the_servers_asks_before_a_call_and_lists_them(wor
             listing = next(n for n in notices(app) if n.startswith("MCP servers:"))
             assert "calc (stdio: " in listing and "ready, 8 tools" in listing and "[.mcp.json]" in listing
             assert "mcp__calc__add (read-only)" in listing and "broken (stdio: /nonexistent/mcp-server): failed" in listing
+            assert "Configuration errors:\n  " in listing and "mcp.odd: type 'sse'" in listing
             app.query_one(PromptInput).text = "stop the server"
             await pilot.press("enter")
             await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
@@ -99,3 +100,14 @@ async def test_the_app_reports_the_servers_asks_before_a_call_and_lists_them(wor
     assert all(server.state in ("stopped", "failed") for server in servers.servers.values())  # shut down on exit
     assert "mcp__calc__write_note" in [t["function"]["name"] for t in endpoint.requests[0]["tools"]]
     assert not any(t["function"]["name"].startswith("mcp__") for t in endpoint.requests[3]["tools"])
+
+
+async def test_mcp_without_servers_says_where_they_go(tmp_path, store):
+    (tmp_path / "empty").mkdir()
+    with ScriptedEndpoint([]) as endpoint:
+        app = NorthcodeApp(tmp_path / "empty", endpoint=endpoint.url, store=store)
+        async with app.run_test() as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            app.query_one(PromptInput).text = "/mcp"
+            await pilot.press("enter")
+            await until(pilot, lambda: any(n.startswith("No MCP servers configured") for n in notices(app)))

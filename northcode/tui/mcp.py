@@ -54,11 +54,13 @@ class AppMcpServers:
     def listing(self) -> str:
         """/mcp's text: each server, where it is configured, its state and its tools."""
         root = self.app.workspace.root
+        errors = ["Configuration errors:", *(f"  {error}" for error in self.errors)] if self.errors else []
         if not self.servers.servers:
-            return (f"No MCP servers configured. Add them to .mcp.json or opencode.json in the workspace, or to "
-                    f"{paths.data_dir() / USER_FILE} for every workspace (docs/tui.md has the format).")
+            return "\n".join([f"No MCP servers configured. Add them to .mcp.json or opencode.json in the workspace, or "
+                              f"to {paths.data_dir() / USER_FILE} for every workspace (docs/tui.md has the format).",
+                              *errors])
         lines = ["MCP servers:"]
         for server in self.servers.servers.values():
             lines.append(f"  {server.describe()}  [{shown_path(server.config.source, root)}]")
             lines += [f"    {tool.qualified}{' (read-only)' if tool.read_only else ''}" for tool in server.tools]
-        return "\n".join(lines)
+        return "\n".join(lines + errors)
