@@ -26,11 +26,11 @@ compiled flex_attention may compile), and its largest difference from an fp32 re
   flex-paged-triton flex-paged with flex's main kernel forced (BACKEND "TRITON") for chunks of T <= 16, where
                     flex-paged lets flex take its decoding kernel (paged_prefill_flex.decoding_backend)
 Every way but the flex ones and the -gqa ones repeats K/V to the query heads first, as the prefill does; that copy
-is in the time. FlashInfer is not among them: its PyPI wheel (flashinfer-python 0.7.2.post1, 62 MB, py3-none-any)
-is sources that nvcc compiles on first use (minutes per kernel variant, past a 5-minute device call), and it
-requires apache-tvm-ffi, cuda-python, cuda-tile, nvidia-cutlass-dsl, nccl4py and more, which with it exceed the
-64 MiB a device call can carry (the device has no network); its precompiled kernels (flashinfer-cubin,
-flashinfer-jit-cache) are larger still.
+is in the time. FlashInfer is not among them: its PyPI wheel (flashinfer-python 0.7.2.post1, 62 MB = 59 MiB,
+py3-none-any) is sources that nvcc compiles on first use (minutes per kernel variant, against a 5-minute device
+call), and it leaves ~5 MiB of the 64 MiB a device call carries (the device has no network) for its required
+dependencies: apache-tvm-ffi, cuda-python, cuda-tile, nvidia-cutlass-dsl, nccl4py, nvidia-cudnn-frontend and more.
+Its precompiled kernels are separate packages (flashinfer-cubin, flashinfer-jit-cache), not sized here.
 """
 
 from __future__ import annotations
