@@ -646,15 +646,20 @@ __device__ void finish(const Params& p, Smem& s, const Task& t) {
   if (threadIdx.x == kCB && t.signal >= 0) post_signal(p, s, t.signal);
 }
 
+// RESID=1: every QKV task adds its slice of x_l into x_{l+1} (the tasks tile the QKV groups in order, so their
+// slices tile x), off top-k's path: every reader of x_{l+1} waits for it through o_proj, which waits for attention,
+// which waits for every QKV task. RESID=0: the router's ticket holder adds all of it before it signals top-k.
+#ifndef RESID
+#define RESID 0
+#endif
 // x_{l+1} += x_l (one task per layer; the router's ticket holder, before it signals top-k): a thread's loads go out
 // 8 float4s at a time before their atomics (the compiler would otherwise wait for each load in turn, as the atomics
 // may alias them: run 26's profile put ~23 us a layer at B=8 between top-k and its signal).
-__device__ void add_residual(const Params& p, const Task& t) {
-  if (!(t.flags & 1)) return;
+__device__ void add_residual(const Params& p, const Task& t, int lo, int hi) {  // float4s [lo, hi) of x
   constexpr int kBatch = 8;  // float4s a thread has in flight
-  const int l = t.layer, tid = threadIdx.x - kCB, n4 = p.batch * H / 4;
+  const int l = t.layer, tid = threadIdx.x - kCB, n4 = hi;
   float4* next = reinterpret_cast<float4*>(&p.x[(size_t)(l + 1) * p.batch * H]);
-  for (int i0 = tid; i0 < n4; i0 += kBatch * kConsumers * 32) {
+  for (int i0 = lo + tid; i0 < n4; i0 += kBatch * kConsumers * 32) {
     float4 v[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -685,7 +690,10 @@ __device__ void consume_qkv(const Params& p, Smem& s, Stream& st, const Task& t)
     p.qkv[b * QKV_ROWS + row0 + 8 * g + r] = __float2bfloat16(v);
   });
   mark(p, 1);  // the product
-  add_residual(p, t);
+  const int n4 = p.batch * H / 4;
+  if (RESID) add_residual(p, t, (int)((long long)t.a[0] * n4 / (QKV_ROWS / 8)),
+                          (int)((long long)(t.a[0] + t.a[1]) * n4 / (QKV_ROWS / 8)));
+  else if (t.flags & 1) add_residual(p, t, 0, n4);
   finish(p, s, t);
 }
 
@@ -711,7 +719,7 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   mark(p, 2);  // the last router task
   if (!p.no_wait) topk(p, s, t);  // no-wait: keep the previous step's slots, so every reader sees the same ones
   mark(p, 3);  // top-k
-  add_residual(p, t);
+  if (!RESID && (t.flags & 1)) add_residual(p, t, 0, p.batch * H / 4);
   finish(p, s, t);
 }
 
