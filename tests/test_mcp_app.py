@@ -45,6 +45,7 @@ def test_run_reports_the_servers_on_stderr_and_calls_the_tool(workspace, capsys)
     events = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and events[-1]["result"] == "It is 5."
     assert "mcp__calc__add" in events[0]["tools"] and "mcp__broken__add" not in json.dumps(events[0])
+    assert events[0]["mcp_servers"] == [{"name": "calc", "status": "ready"}, {"name": "broken", "status": "failed"}]
     assert "northcode run: MCP server calc: ready, 8 tools" in err
     assert "northcode run: MCP server broken: failed: cannot start '/nonexistent/mcp-server'" in err
     assert f"northcode run: MCP configuration: {workspace / 'opencode.json'}: mcp.odd: type 'sse'" in err

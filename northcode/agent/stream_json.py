@@ -64,10 +64,12 @@ class StreamJsonWriter:
     def emit(self, event: dict) -> None:
         self.write_line(json.dumps({**event, "session_id": self.session_id}, ensure_ascii=False, allow_nan=False))
 
-    def init(self, session_id: str | None, model: str, cwd: str, tools: list[str], mode: str) -> None:
-        """The first line, once the run's session exists."""
+    def init(self, session_id: str | None, model: str, cwd: str, tools: list[str], mode: str,
+             mcp_servers: list[dict] | None = None) -> None:
+        """The first line, once the run's session exists; `mcp_servers`: {"name", "status"} of each MCP server."""
         self.session_id, self.model = session_id, model
-        self.emit({"type": "system", "subtype": "init", "model": self.model, "cwd": cwd, "tools": tools, "mode": mode})
+        self.emit({"type": "system", "subtype": "init", "model": self.model, "cwd": cwd, "tools": tools, "mode": mode,
+                   "mcp_servers": mcp_servers or []})
 
     def on_event(self, event: Delta | Completion | ToolEvent | CompactEvent) -> None:
         if isinstance(event, Delta):

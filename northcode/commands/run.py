@@ -175,7 +175,8 @@ async def _run_agent(args: argparse.Namespace, prompt: str, stream, store, sessi
         recorder.save(message)
         if stream is not None and stream.session_id is None and message.get("role") == "user":  # the session exists
             tools = [schema["function"]["name"] for schema in toolbox.schemas()]
-            stream.init(recorder.session_id, served, str(workspace.root), tools, args.mode)
+            servers = [{"name": server.name, "status": server.state} for server in toolbox.mcp.servers.values()]
+            stream.init(recorder.session_id, served, str(workspace.root), tools, args.mode, servers)
 
     def on_event(event) -> None:
         _on_event(event)
