@@ -73,14 +73,13 @@ enum MapId : int { M_QKV = 0, M_O, M_ROUTER, M_GATEUP, M_DOWN, M_DGATEUP, M_DDOW
 struct Task {  // 16 int32
   int type, layer;
   int a[6];    // per type, below
-  int wait, target, signal, flags;
-  int pad[4];
+  int wait, target, signal;
+  int pad[5];
 };
 // T_QKV / T_ROUTER / T_OPROJ / T_LM: a0 first 8-row group, a1 groups
 // T_UP / T_DOWN: a0 slot (-1: the dense layer), a1 first group, a2 groups
 // T_ATTN: a0 row, a1 kv head, a2 split, a3 splits, a4 sliding
 // T_DRAIN: one per SM and layer; claims expert up, expert down and o_proj tiles until none is left
-// flags bit 0: this task also adds x_l into x_{l+1} (exactly one task per layer)
 
 struct Maps { CUtensorMap m[NUM_MAPS]; };
 
@@ -646,15 +645,10 @@ __device__ void finish(const Params& p, Smem& s, const Task& t) {
   if (threadIdx.x == kCB && t.signal >= 0) post_signal(p, s, t.signal);
 }
 
-// RESID=1: every QKV task adds its slice of x_l into x_{l+1} (the tasks tile the QKV groups in order, so their
+// x_{l+1} += x_l, float4s [lo, hi): each QKV task adds its slice (the tasks tile the QKV groups in order, so their
 // slices tile x), off top-k's path: every reader of x_{l+1} waits for it through o_proj, which waits for attention,
-// which waits for every QKV task. RESID=0: the router's ticket holder adds all of it before it signals top-k.
-#ifndef RESID
-#define RESID 0
-#endif
-// x_{l+1} += x_l (one task per layer; the router's ticket holder, before it signals top-k): a thread's loads go out
-// 8 float4s at a time before their atomics (the compiler would otherwise wait for each load in turn, as the atomics
-// may alias them: run 26's profile put ~23 us a layer at B=8 between top-k and its signal).
+// which waits for every QKV task. A thread's loads go out 8 float4s at a time before their atomics (the compiler
+// would otherwise wait for each load in turn, as the atomics may alias them).
 __device__ void add_residual(const Params& p, const Task& t, int lo, int hi) {  // float4s [lo, hi) of x
   constexpr int kBatch = 8;  // float4s a thread has in flight
   const int l = t.layer, tid = threadIdx.x - kCB, n4 = hi;
@@ -691,9 +685,8 @@ __device__ void consume_qkv(const Params& p, Smem& s, Stream& st, const Task& t)
   });
   mark(p, 1);  // the product
   const int n4 = p.batch * H / 4;
-  if (RESID) add_residual(p, t, (int)((long long)t.a[0] * n4 / (QKV_ROWS / 8)),
-                          (int)((long long)(t.a[0] + t.a[1]) * n4 / (QKV_ROWS / 8)));
-  else if (t.flags & 1) add_residual(p, t, 0, n4);
+  add_residual(p, t, (int)((long long)t.a[0] * n4 / (QKV_ROWS / 8)),
+               (int)((long long)(t.a[0] + t.a[1]) * n4 / (QKV_ROWS / 8)));
   finish(p, s, t);
 }
 
@@ -719,7 +712,6 @@ __device__ void consume_router(const Params& p, Smem& s, Stream& st, const Task&
   mark(p, 2);  // the last router task
   if (!p.no_wait) topk(p, s, t);  // no-wait: keep the previous step's slots, so every reader sees the same ones
   mark(p, 3);  // top-k
-  if (!RESID && (t.flags & 1)) add_residual(p, t, 0, p.batch * H / 4);
   finish(p, s, t);
 }
 
@@ -1271,12 +1263,12 @@ struct Schedule {
   }
 };
 
-static Task task(int type, int layer, std::initializer_list<int> args, int wait, int target, int signal, int flags = 0) {
+static Task task(int type, int layer, std::initializer_list<int> args, int wait, int target, int signal) {
   Task t{};
   t.type = type; t.layer = layer;
   int i = 0;
   for (int a : args) t.a[i++] = a;
-  t.wait = wait; t.target = target; t.signal = signal; t.flags = flags;
+  t.wait = wait; t.target = target; t.signal = signal;
   return t;
 }
 
@@ -1304,19 +1296,19 @@ static Schedule build(int sms, int batch, int context, int layers, bool balanced
     const int wait_x = l == 0 ? -1 : ctr(l, C_X);
     const bool dense = l == 0, sliding = l % 4 != 0;
     // router tiles (first in their SMs' lists: top-k heads the MoE chain); the last to finish picks the experts and
-    // signals top-k (and adds x_l into x_{l+1})
+    // signals top-k
     const int n_router = (E / 8 + router_groups - 1) / router_groups;
     if (!dense && router_first)
       split_groups(s, E / 8, router_groups, 2 * 16384, [&](int g, int n) {
-        return task(T_ROUTER, l, {g, n, n_router}, wait_x, l, ctr(l, C_TOPK), 1);
+        return task(T_ROUTER, l, {g, n, n_router}, wait_x, l, ctr(l, C_TOPK));
       });
     const int per_qkv = (QKV_ROWS / 8 + sms - 1) / sms;
     const int nq = split_groups(s, QKV_ROWS / 8, per_qkv, 2 * 16384, [&](int g, int n) {
-      return task(T_QKV, l, {g, n}, wait_x, l, ctr(l, C_QKV), dense && g == 0 ? 1 : 0);
+      return task(T_QKV, l, {g, n}, wait_x, l, ctr(l, C_QKV));
     });
     if (!dense && !router_first)  // round-robin: right after QKV's 128 tasks, the 4 SMs without a QKV task
       split_groups(s, E / 8, router_groups, 2 * 16384, [&](int g, int n) {
-        return task(T_ROUTER, l, {g, n, n_router}, wait_x, l, ctr(l, C_TOPK), 1);
+        return task(T_ROUTER, l, {g, n, n_router}, wait_x, l, ctr(l, C_TOPK));
       });
     // attention: pages known on the host, streamed before top-k so HBM has work at the layer's start
     const int pages = sliding ? std::min(full_pages, (std::min(len, WINDOW) + PAGE - 1) / PAGE + 1) : full_pages;
@@ -1364,8 +1356,8 @@ static Schedule build(int sms, int batch, int context, int layers, bool balanced
   return s;
 }
 
-// x_{l+1}'s target: every task whose signal is C_X of layer l + 1. The x_l copy (one flagged task) needs no
-// count: every contribution to x_{l+1} waits, through its inputs, for the flagged task to finish.
+// x_{l+1}'s target: every task whose signal is C_X of layer l + 1. The x_l copy (the QKV tasks' slices) needs no
+// count: o_proj, among those tasks, waits for attention, which waits for every QKV task.
 static void set_x_targets(Schedule& s) {
   std::vector<int> parts(LAYERS + 1, 0);
   for (auto& list : s.per_sm)
