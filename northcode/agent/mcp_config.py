@@ -15,7 +15,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 WORKSPACE_FILES = ("opencode.json", "opencode.jsonc", ".mcp.json", ".northcode/mcp.json")
@@ -37,6 +37,7 @@ class ServerConfig:
     headers: Mapping[str, str] = field(default_factory=dict)  # http
     enabled: bool = True
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    definition: str = field(default="", compare=False)  # the entry as written (JSON, before ${VAR} expansion)
 
 
 def config_files(root: Path, user_dir: Path | None) -> list[Path]:
@@ -88,7 +89,8 @@ def parse_file(path: Path) -> tuple[list[ServerConfig], list[str]]:
                     raise ValueError("a server name may have only letters, digits, _ and -")
                 if not isinstance(entry, dict):
                     raise ValueError("expected an object")
-                servers.append(parse_entry(name, entry, path))
+                servers.append(replace(parse_entry(name, entry, path),
+                                       definition=json.dumps({key: entry}, sort_keys=True, ensure_ascii=False)))
             except ValueError as err:
                 errors.append(f"{where}: {err}")
     return servers, errors

@@ -6,8 +6,9 @@ limit. A stdio server runs in the workspace folder with its stderr in a log file
 draws on). Its tools are offered as mcp__<server>__<tool> with the server's JSON schema as their parameters, listed
 again when the server says they changed (subscriptions/listen, or a 2025-era server's notification). A
 server that fails to start, exits or loses its connection becomes "failed" with the reason; `on_change` tells
-the UI, its tools leave the next request, the others go on. No approvals here: tools.py wraps each call in a
-PreparedCall of kind "mcp" and approvals.py decides on it.
+the UI, its tools leave the next request, the others go on. A workspace's servers the user has not approved
+(mcp_trust.py) stay "untrusted", never started, until `trust`. No call approvals here: tools.py wraps each call in
+a PreparedCall of kind "mcp" and approvals.py decides on it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from northcode.agent.mcp_config import ServerConfig, load_servers
+from northcode.agent.mcp_trust import needing_approval, stored_decision
 
 log = logging.getLogger(__name__)
 PREFIX = "mcp__"
@@ -57,7 +59,7 @@ class McpTool:
 class McpServer:
     config: ServerConfig
     log_path: Path | None  # a stdio server's stderr
-    state: str = "starting"  # "disabled" | "starting" | "ready" | "failed" | "stopped"
+    state: str = "starting"  # "disabled" | "untrusted" | "starting" | "ready" | "failed" | "stopped"
     error: str = ""
     tools: list[McpTool] = field(default_factory=list)
     client: Any = None  # mcp.Client while ready
@@ -83,18 +85,30 @@ class McpServers:
     fails."""
 
     def __init__(self, configs: list[ServerConfig], root: Path, log_dir: Path,
-                 on_change: Callable[[McpServer], None] | None = None) -> None:
+                 on_change: Callable[[McpServer], None] | None = None, untrusted: Collection[str] = ()) -> None:
         self.root, self.log_dir = root, log_dir
         self.on_change = on_change or (lambda server: None)
         self.servers = {config.name: McpServer(config, _log_path(log_dir, config)) for config in configs}
         for server in self.servers.values():
-            if not server.config.enabled:
-                server.state = "disabled"
+            if not server.config.enabled or server.name in untrusted:
+                server.state = "disabled" if not server.config.enabled else "untrusted"
                 server.started.set()
 
+    def untrusted(self) -> list[ServerConfig]:
+        """The servers waiting for the user's approval."""
+        return [server.config for server in self.servers.values() if server.state == "untrusted"]
+
+    def trust(self) -> None:
+        """The user approved the untrusted servers: the next `start` starts them."""
+        for server in self.servers.values():
+            if server.state == "untrusted":
+                server.state = "starting"
+                server.started.clear()
+
     async def start(self) -> None:
-        """Start every enabled server at once; return when each is ready or failed (or past its time limit)."""
-        waiting = [server for server in self.servers.values() if server.state == "starting"]
+        """Start every enabled, trusted server not started yet, at once; return when each is ready or failed (or past
+        its time limit)."""
+        waiting = [server for server in self.servers.values() if server.state == "starting" and server.task is None]
         for server in waiting:
             server.task = asyncio.create_task(self._hold(server), name=f"mcp {server.name}")
         await asyncio.gather(*(self._wait_started(server) for server in waiting))
@@ -367,12 +381,6 @@ class _WatchedStream:
             self.closed.set()
             raise
 
-    async def wait_started(self) -> None:
-        """Until every server being started is ready or failed (each within its time limit)."""
-        for server in self.servers.values():
-            if server.task is not None:
-                await server.started.wait()
-
     async def aclose(self) -> None:
         await self.stream.aclose()
 
@@ -402,9 +410,11 @@ async def _watched(transport: Any, closed: asyncio.Event) -> AsyncIterator[Any]:
 
 def workspace_servers(root: Path, on_change: Callable[[McpServer], None] | None = None
                       ) -> tuple[McpServers, list[str]]:
-    """The servers configured for workspace `root` (mcp_config.py; not started yet), their logs in northcode's data
-    folder, and the configuration's errors."""
+    """The servers configured for workspace `root` (mcp_config.py; not started yet; the workspace's own "untrusted"
+    unless the user approved them), their logs in northcode's data folder, and the configuration's errors."""
     from northcode import paths
 
     configs, errors = load_servers(root, paths.data_dir())
-    return McpServers(configs, root, paths.data_dir(), on_change), errors
+    pending = needing_approval(configs, paths.data_dir())
+    untrusted = [] if stored_decision(root, pending, paths.data_dir()) else [config.name for config in pending]
+    return McpServers(configs, root, paths.data_dir(), on_change, untrusted), errors

@@ -4,7 +4,8 @@ The final answer goes to stdout (or, with --json, one JSON transcript: the messa
 answer, why the run stopped, token usage; with --output-format stream-json, one JSON event per
 line as it happens, agent/stream_json.py); progress (server start-up, the MCP servers, tool calls) goes to stderr.
 The workspace's MCP servers (agent/mcp_servers.py) start beside the model server's connection; one that fails is
-said on stderr and the run goes on without it. No one can answer approval questions here, so calls that would ask
+said on stderr and the run goes on without it; a workspace's own servers start only once approved in the app
+(agent/mcp_trust.py) or with --trust-mcp. No one can answer approval questions here, so calls that would ask
 are denied and the model is told why: pick --mode auto-edit or full-auto to let it edit, or full-auto to run
 commands and MCP tools.
 Exit codes: 0 done, 1 the endpoint failed, 2 bad input, 3 step limit reached, 4 the answer was
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "started in the background if needed)")
     parser.add_argument("--model", type=Path, help="checkpoint folder for the server northcode starts")
     parser.add_argument("--max-steps", type=int, default=25, help="model calls at most (default 25)")
+    parser.add_argument("--trust-mcp", action="store_true", help="start the MCP servers the workspace's files "
+                                                                 "configure even if not approved in the app (this run)")
     parser.add_argument("--max-tokens", type=int, help="tokens per model answer at most (default: the server's)")
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("-s", "--session", metavar="ID", help="continue a saved session (its id is in the --json output)")
@@ -118,6 +121,7 @@ async def _run(args: argparse.Namespace, prompt: str, stream) -> tuple[int, dict
     """The run, and its transcript; `stream` (a StreamJsonWriter, or None) gets every event as it happens."""
     from northcode import paths
     from northcode.agent.mcp_servers import workspace_servers
+    from northcode.agent.mcp_trust import headless_refusal
     from northcode.agent.sandbox import Workspace
     from northcode.agent.sessions import SessionStore
     from northcode.agent.tools import ToolBox
@@ -129,6 +133,11 @@ async def _run(args: argparse.Namespace, prompt: str, stream) -> tuple[int, dict
     mcp, mcp_errors = workspace_servers(workspace.root, _on_mcp_change)
     for error in mcp_errors:
         _progress(f"northcode run: MCP configuration: {error}")
+    if untrusted := mcp.untrusted():
+        if args.trust_mcp:
+            mcp.trust()
+        else:
+            _progress(f"northcode run: {headless_refusal(untrusted, workspace.root)}")
     mcp_started = asyncio.ensure_future(mcp.start())  # beside the model server's connection
     toolbox = ToolBox(workspace, paths.data_dir() / "tool-output")
     toolbox.mcp = mcp

@@ -1,6 +1,8 @@
 """The app's side of the MCP servers: started with the app, a notice as each gets ready or fails, /mcp's listing.
 
-The servers themselves (connections, tools, calls) are agent/mcp_servers.py's; this only tells the user.
+A workspace's own servers start only once the user has approved them: the app asks (McpTrustScreen) when no
+answer is kept for their definitions (agent/mcp_trust.py), and `/mcp trust` asks again. The servers themselves
+(connections, tools, calls) are agent/mcp_servers.py's; this only asks and tells the user.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from northcode import paths
 from northcode.agent.instructions import shown_path
 from northcode.agent.mcp_config import USER_FILE
 from northcode.agent.mcp_servers import McpServer, workspace_servers
+from northcode.agent.mcp_trust import stored_decision, store_decision
+from northcode.tui.screens import McpTrustScreen
 from northcode.tui.widgets import Notice
 
 if TYPE_CHECKING:
@@ -32,7 +36,40 @@ class AppMcpServers:
     async def _start(self) -> None:
         for error in self.errors:
             await self.app.add(Notice(f"MCP configuration: {error}", "error"))
+        untrusted = self.servers.untrusted()
+        if untrusted and stored_decision(self.app.workspace.root, untrusted, paths.data_dir()) is None:
+            await self.ask_trust()
+        elif untrusted:
+            await self.app.add(Notice(f"MCP servers {self.names(untrusted)} not started: you declined this "
+                                      "workspace's MCP servers (/mcp trust asks again)", "warning"))
         await self.servers.start()
+
+    def names(self, configs) -> str:
+        root = self.app.workspace.root
+        return ", ".join(f"{config.name} ({shown_path(config.source, root)})" for config in configs)
+
+    async def ask_trust(self) -> None:
+        """Ask whether the untrusted servers may start (in a worker) and keep the answer; start them on a yes."""
+        untrusted = self.servers.untrusted()
+        root = self.app.workspace.root
+        allowed = await self.app.push_screen_wait(McpTrustScreen(root, untrusted))
+        store_decision(root, untrusted, paths.data_dir(), allowed)
+        if allowed:
+            self.servers.trust()
+        else:
+            await self.app.add(Notice(f"MCP servers {self.names(untrusted)} not started (/mcp trust asks again)"))
+
+    def trust_again(self) -> None:
+        """/mcp trust: ask about the untrusted servers now, and start them on a yes."""
+        if not self.servers.untrusted():
+            self.app.notify("No MCP server is waiting for approval (/mcp lists them).")
+            return
+
+        async def ask_and_start() -> None:
+            await self.ask_trust()
+            await self.servers.start()
+
+        self.app.run_worker(ask_and_start(), group="mcp", exit_on_error=False)
 
     async def aclose(self) -> None:
         await self.servers.aclose()
@@ -63,4 +100,7 @@ class AppMcpServers:
         for server in self.servers.servers.values():
             lines.append(f"  {server.describe()}  [{shown_path(server.config.source, root)}]")
             lines += [f"    {tool.qualified}{' (read-only)' if tool.read_only else ''}" for tool in server.tools]
+        if self.servers.untrusted():
+            lines.append("Untrusted: this workspace's files configure them and you have not approved them, so they "
+                         "were not started; /mcp trust asks.")
         return "\n".join(lines + errors)

@@ -1,15 +1,16 @@
-"""Modal screens: the approval prompt (with the diff or command), its hunk-by-hunk review, the session list, the
-help page.
+"""Modal screens: the approval prompt (with the diff or command), its hunk-by-hunk review, the question whether a
+workspace's MCP servers may start, the session list, the help page.
 
 Each is dismissed with its answer: ApprovalScreen with a Decision (Esc denies) or an Answer (a denial
 with the user's note for the model, or an edit with only the hunks HunkReviewScreen took); HunkReviewScreen
-with the indices of the hunks taken (None: back); SessionsScreen with the id of the session to resume
-(or None), HelpScreen with nothing.
+with the indices of the hunks taken (None: back); McpTrustScreen with True (start them) or False (Esc);
+SessionsScreen with the id of the session to resume (or None), HelpScreen with nothing.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -18,6 +19,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Markdown, Static
 
 from northcode.agent.approvals import Answer, Decision
+from northcode.agent.instructions import shown_path
+from northcode.agent.mcp_config import ServerConfig
+from northcode.agent.mcp_trust import describe_config
 from northcode.agent.sessions import SessionInfo, SessionStore
 from northcode.agent.slash_commands import commands_table
 from northcode.agent.tools import PreparedCall
@@ -143,6 +147,43 @@ class HunkReviewScreen(ModalScreen[frozenset[int] | None]):
 
     def action_dismiss_none(self) -> None:
         self.dismiss(None)
+
+
+class McpTrustScreen(ModalScreen[bool]):
+    """Asks once whether the MCP servers a workspace's files configure may start, naming each one and what it runs:
+    y starts them, n or Esc does not. The app keeps the answer until those definitions change."""
+
+    BINDINGS = [Binding("y", "decide(True)", "start them"), Binding("n,escape", "decide(False)", "don't start them")]
+
+    def __init__(self, root: Path, configs: list[ServerConfig]) -> None:
+        super().__init__()
+        self.root, self.configs = root, configs
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="mcp-trust"):
+            yield Static("Start this workspace's MCP servers?", classes="modal-title")
+            yield Static(f"{self.root} configures them. A stdio server is a command run on your machine with your "
+                         "permissions, an HTTP server gets the headers named; their tools join the agent's.",
+                         markup=False)
+            with VerticalScroll(id="mcp-trust-list"):
+                for config in self.configs:
+                    yield Static(f"{config.name}  [{shown_path(config.source, self.root)}]", markup=False,
+                                 classes="approval-call")
+                    yield Static(f"  {describe_config(config)}", markup=False, classes="mcp-trust-what")
+            yield Static("The answer is kept for this workspace until these definitions change; /mcp trust asks "
+                         "again.", markup=False, classes="mcp-trust-note")
+            with Horizontal(classes="buttons"):
+                yield Button("Start them (y)", id="start", variant="primary")
+                yield Button("Don't start them (n, Esc)", id="refuse", variant="error")
+
+    def on_mount(self) -> None:
+        self.query_one("#refuse", Button).focus()  # Enter on a screen that just opened starts nothing
+
+    def action_decide(self, allowed: bool) -> None:
+        self.dismiss(allowed)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "start")
 
 
 def _age(timestamp: float) -> str:

@@ -128,7 +128,13 @@ class SlashCommands:
             self.app.compact()
 
     async def cmd_mcp(self, argument: str) -> None:
-        await self.app.add(Notice(self.app.mcp.listing()))
+        """/mcp lists the servers; /mcp trust asks whether the workspace's untrusted ones may start."""
+        if argument == "trust":
+            self.app.mcp.trust_again()
+        elif argument:
+            await self.app.add(Notice(f"/mcp {argument}: expected /mcp or /mcp trust", "error"))
+        else:
+            await self.app.add(Notice(self.app.mcp.listing()))
 
     async def cmd_clear(self, argument: str) -> None:
         if not self.idle():
