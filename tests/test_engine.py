@@ -292,3 +292,19 @@ def test_min_tokens_bans_the_stop_tokens_until_it_is_reached(engine):
     to_the_end = run(engine, [(prompt, eos_params)])[0]
     assert len(tokens_of(to_the_end)) == 12 and to_the_end[-1].finish_reason == "length"
     assert not set(engine.config.eos_token_ids) & set(tokens_of(to_the_end))  # EOS is banned below min_tokens
+
+
+def test_each_step_reports_its_wall_time_to_the_scheduler(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint, chunk_size=8)
+    recorded = []
+    record = engine.scheduler.record
+    engine.scheduler.record = lambda plan, s: (recorded.append((bool(plan.decodes), bool(plan.prefills), s)),
+                                               record(plan, s))
+    try:
+        outputs = run(engine, [(prompt_of(5), greedy(40)), (prompt_of(90), greedy(2))])
+    finally:
+        engine.shutdown()
+    assert [len(tokens_of(o)) for o in outputs] == [40, 2]
+    assert all(s > 0 for _, _, s in recorded)
+    assert any(decodes and prefills for decodes, prefills, _ in recorded)  # the long prompt beside the decoder
+    assert engine.scheduler.decode_step_s is not None

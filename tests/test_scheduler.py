@@ -153,3 +153,63 @@ def test_after_a_backend_restart_sequences_are_taken_back_and_recompute_what_the
     run_to_end(new)
     assert first.output_ids == [7] * 6 and second.output_ids == [7] * 6 and waiting.output_ids == [7] * 3
     assert new.kv.num_free_pages == 200
+
+
+# --- prompts beside decoding rows: turns by wall time ---
+
+def test_a_chunk_beside_decoding_rows_is_followed_by_decode_only_steps_for_its_share_of_the_time():
+    from northcode.engine.scheduler import DECODE_SHARE
+
+    scheduler = make_scheduler(chunk_size=8)
+    decoder = make_seq(4, max_new=100)
+    scheduler.add(decoder)
+    scheduler.record(step(scheduler), 0.010)  # its prompt, alone: nothing owed
+    assert scheduler.prefill_debt_s == 0.0
+    scheduler.record(step(scheduler), 0.003)  # decoding alone: the step's time is learned
+    assert scheduler.decode_step_s == pytest.approx(0.003)
+    scheduler.add(make_seq(40))  # a long prompt arrives
+    mixed = step(scheduler)
+    assert mixed.decodes == [decoder] and mixed.prefills
+    scheduler.record(mixed, 0.093)  # 90 ms of chunk beside the decode
+    owed = 0.090 * DECODE_SHARE / (1 - DECODE_SHARE)
+    assert scheduler.prefill_debt_s == pytest.approx(owed)
+    held = 0
+    while True:
+        plan = step(scheduler)
+        if plan.prefills:
+            break
+        assert plan.decodes == [decoder]
+        scheduler.record(plan, 0.003)
+        held += 1
+    assert held == -(-owed // 0.003)  # decode-only steps until the decoder had its share
+
+
+def test_without_decoding_rows_prompts_run_every_step_whatever_is_owed():
+    scheduler = make_scheduler(chunk_size=8)
+    scheduler.prefill_debt_s = 5.0
+    scheduler.add(make_seq(30))
+    plans = [step(scheduler) for _ in range(3)]
+    assert all(plan.prefills and not plan.decodes for plan in plans)
+    scheduler.record(plans[-1], 0.050)
+    assert scheduler.prefill_debt_s == 0.0
+
+
+def test_a_long_prompt_beside_a_decoder_still_finishes_its_prefill():
+    from northcode.engine.scheduler import DECODE_SHARE
+
+    scheduler = make_scheduler(chunk_size=8)
+    decoder = make_seq(4, max_new=400)
+    scheduler.add(decoder)
+    scheduler.record(step(scheduler), 0.001)
+    scheduler.record(step(scheduler), 0.002)
+    long = make_seq(64, max_new=2)
+    scheduler.add(long)
+    mixed = decode_only = 0
+    while not long.output_ids:
+        plan = step(scheduler)
+        mixed, decode_only = mixed + bool(plan.prefills), decode_only + (not plan.prefills)
+        scheduler.record(plan, 0.010 if plan.prefills else 0.002)
+        assert mixed + decode_only < 200, "the prompt starved beside the decoder"
+    assert mixed == 64 // 8
+    # each chunk's 8 ms beside the decode is owed DECODE_SHARE / (1 - DECODE_SHARE) of it in 2 ms steps
+    assert decode_only == (mixed - 1) * -(-0.008 * DECODE_SHARE / (1 - DECODE_SHARE) // 0.002)

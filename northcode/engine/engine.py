@@ -237,6 +237,7 @@ class Engine:
         return can_pipeline(self.scheduler.running + self.scheduler.waiting)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         pipelined = self._pipelined()
         if self.pipeline.launched is not None and not pipelined:
             self._drain()  # a request that needs the host's history arrived: read the step in flight first
@@ -255,6 +256,7 @@ class Engine:
         if pipelined:
             self.pipeline.advance(launched)
         now = time.perf_counter()
+        self.scheduler.record(plan, now - started)
         for seq, token, logprob in sampled:
             self._append(self._requests[seq.request_id], token, logprob, now)
 

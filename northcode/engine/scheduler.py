@@ -1,9 +1,14 @@
 """Scheduler: admission, continuous batching, chunked prefill and preemption, over the KV cache manager.
 
 How prefill and decode share the GPU: every step runs each decoding sequence once (one token per row)
-plus at most `chunk_size` prompt tokens, taken FIFO from the sequences still prefilling. A long prompt
-therefore delays each decode step by one chunk's compute, never by its whole length, and several short
-prompts can start in the same step. A sequence "decodes" when exactly one of its tokens has no KV yet
+plus at most `chunk_size` prompt tokens, taken FIFO from the sequences still prefilling, so several short
+prompts can start in the same step. While sequences decode, prompts get the GPU's time by turns: after a
+step that carried a chunk, decode-only steps run until they have had DECODE_SHARE of the time (the
+engine reports each step's wall time through `record`), so a decoding request keeps about that share of
+its tokens/s beside a long prompt instead of waiting one chunk per token. Whole chunks, not smaller ones,
+because a chunk's time has a large fixed part (every expert's weights are read once per chunk): turns of
+full chunks give the prompt the most tokens for the time it gets. With nothing decoding, prompts run
+every step. A sequence "decodes" when exactly one of its tokens has no KV yet
 (its last sampled token, or the only token of a one-token prompt, counting a token still in flight on the
 device when the engine pipelines: pipeline.py); until then it prefills.
 When pages run out the sequence that arrived last is preempted by recompute: its pages are published
@@ -19,6 +24,10 @@ from dataclasses import dataclass, field
 
 from northcode.engine.kv_cache import KVCacheManager, chain_block_hashes
 from northcode.engine.sequence import Sequence, SequenceStatus
+
+DECODE_SHARE = 0.55  # of the wall time that decoding rows keep while prompts prefill beside them: above half,
+# so that a decoding request keeps at least half its tokens/s alone (issue 25) after the mixed steps' overhead
+DECODE_STEP_SMOOTHING = 0.2  # weight of the newest decode-only step in the estimate of one
 
 
 @dataclass(slots=True)
@@ -53,6 +62,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival
         self.free_rows = list(range(max_batch - 1, -1, -1))
         self.num_preemptions = 0  # since start
+        self.prefill_debt_s = 0.0  # decode-only time owed to the decoding rows before the next chunk
+        self.decode_step_s: float | None = None  # a decode-only step's wall time, smoothed
 
     # --- requests in and out ---
 
@@ -114,7 +125,7 @@ class Scheduler:
                 continue  # its last token is in flight (pipelined): it finishes when that is read
             if seq.status is SequenceStatus.RUNNING and self._make_room(seq, seq.num_computed + 1, plan):
                 plan.decodes.append(seq)
-        budget = self.chunk_size
+        budget = 0 if plan.decodes and self.prefill_debt_s > 0 else self.chunk_size
         for seq in [s for s in self.running if not s.is_decoding]:
             if budget == 0:
                 break
@@ -126,6 +137,20 @@ class Scheduler:
         for seq in plan.decodes + [c.sequence for c in plan.prefills]:
             seq.first_scheduled_at = seq.first_scheduled_at or now
         return plan
+
+    def record(self, plan: StepPlan, duration_s: float) -> None:
+        """The wall time of the step that ran `plan`: what its chunks took beside decoding rows is owed to them
+        (DECODE_SHARE), and decode-only steps pay it back."""
+        if not plan.decodes:
+            self.prefill_debt_s = 0.0  # nothing was decoding: the prompts had the GPU to themselves
+        elif not plan.prefills:
+            self.prefill_debt_s = max(0.0, self.prefill_debt_s - duration_s)
+            previous = self.decode_step_s
+            self.decode_step_s = duration_s if previous is None else (
+                previous + DECODE_STEP_SMOOTHING * (duration_s - previous))
+        else:
+            prefill_s = max(0.0, duration_s - (self.decode_step_s or 0.0))
+            self.prefill_debt_s += prefill_s * DECODE_SHARE / (1 - DECODE_SHARE)
 
     def _admit(self) -> None:
         """FIFO: admit the oldest waiting sequences while a row is free and their prefill peak fits."""
