@@ -165,7 +165,7 @@ async def test_the_app_asks_once_keeps_a_no_and_asks_again_when_the_file_changes
         async with app.run_test(size=(100, 30)) as pilot:
             await until(pilot, lambda: isinstance(app.screen, McpTrustScreen))
             shown = "\n".join(str(widget.render()) for widget in app.screen.query("Static"))
-            assert str(workspace) in shown and "calc  [.mcp.json]" in shown and "broken  [.mcp.json]" in shown
+            assert f"MCP servers of workspace {workspace.name}?" in shown and "calc  [.mcp.json]" in shown and "broken  [.mcp.json]" in shown
             assert f"stdio: {' '.join(STDIO_COMMAND)}" in shown and "stdio: /nonexistent/mcp-server" in shown
             await pilot.press("n")
             await until(pilot, lambda: any("not started (/mcp trust asks again)" in n for n in notices(app)))

@@ -6,6 +6,7 @@ the snapshots pin the layout and the text. Update them with `pytest --snapshot-u
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from agent_scripted_endpoint import ScriptedEndpoint, text_reply, tool_reply
 
 from northcode.agent.sessions import SessionStore
 from northcode.tui.app import NorthcodeApp
-from northcode.tui.screens import ApprovalScreen, SessionsScreen
+from northcode.tui.screens import ApprovalScreen, McpTrustScreen, SessionsScreen
 from northcode.tui.widgets import PromptInput, StatusLine
 
 SIZE = (100, 30)
@@ -183,3 +184,59 @@ def test_file_picker(snap_compare, workspace, store):
             await settle(pilot, lambda: app.query_one("#picker").display and app.query_one("#picker").option_count == 4)
 
         assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_todo_panel(snap_compare, workspace, store):
+    """The todo list above the prompt, an item in each state, at 80x24."""
+    todos = [{"content": "read app.py", "status": "completed", "priority": "high", "id": "1"},
+             {"content": "make greet use an f-string", "status": "in_progress", "priority": "high", "id": "2"},
+             {"content": "add a test for greet", "status": "pending", "priority": "medium", "id": "3"},
+             {"content": "rename greet to hello", "status": "cancelled", "priority": "low", "id": "4"}]
+    replies = [tool_reply(("todowrite", {"todos": todos})), text_reply("The plan is in the list.")]
+    with ScriptedEndpoint(replies) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+
+        async def run_before(pilot):
+            await settle(pilot, lambda: app.agent is not None)
+            await type_and_send(pilot, "plan the change")
+            await settle(pilot, lambda: endpoint.finished == 2 and not app.is_busy)
+
+        assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_hunk_review_with_a_hunk_left_out(snap_compare, workspace, store):
+    """The hunk review at 80x24 after `n` left the first hunk out (struck through) and moved to the second."""
+    from northcode.tui.screens import HunkReviewScreen
+
+    before = "def greet(name):\n    return 'hello ' + name\n" + "".join(f"# {n}\n" for n in range(10))
+    (workspace / "app.py").write_text(before)
+    after = before.replace("'hello ' + name", "f'hello {name}'").replace("# 9\n", "# nine\n")
+    with ScriptedEndpoint([tool_reply(("write", {"filePath": "app.py", "content": after}))]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+
+        async def run_before(pilot):
+            await settle(pilot, lambda: app.agent is not None)
+            await type_and_send(pilot, "use an f-string")
+            await settle(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+            await pilot.press("h")
+            await settle(pilot, lambda: isinstance(app.screen, HunkReviewScreen))
+            await pilot.press("n")
+            await settle(pilot, lambda: app.screen.current == 1)
+
+        assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_mcp_trust_screen(snap_compare, workspace, store):
+    """The question before a workspace's MCP servers start (nothing is started while it is open), at 80x24."""
+    (workspace / ".mcp.json").write_text(json.dumps({"mcpServers": {
+        "files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "."],
+                  "env": {"LOG_LEVEL": "debug"}},
+        "docs": {"type": "http", "url": "https://example.com/mcp", "headers": {"Authorization": "Bearer x"}}}}))
+    (workspace / "opencode.json").write_text('{"mcp": {"git": {"type": "local", "command": ["uvx", "mcp-server-git"]}}}')
+    with ScriptedEndpoint([]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+
+        async def run_before(pilot):
+            await settle(pilot, lambda: app.agent is not None and isinstance(app.screen, McpTrustScreen))
+
+        assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)

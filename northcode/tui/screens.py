@@ -27,12 +27,17 @@ from northcode.agent.slash_commands import commands_table
 from northcode.agent.tools import PreparedCall
 from northcode.tui.widgets import highlighted
 
+# Below 44 rows the modals' scrolling parts get a share of the height instead of their fixed limit (app.tcss), so the
+# buttons stay on screen at 80x24.
+MODAL_BREAKPOINTS = [(0, "-short"), (44, "-tall")]
+
 
 class ApprovalScreen(ModalScreen[Decision | Answer]):
     """Asks whether one tool call may run: y allow once, a allow for this session, n or Esc deny, t deny and
     say why (a line for the model: what to do instead; Enter sends it, the diff stays in view to quote),
     h review an edit of several hunks one by one."""
 
+    VERTICAL_BREAKPOINTS = MODAL_BREAKPOINTS
     BINDINGS = [Binding("y", "decide('allow_once')", "allow once"),
                 Binding("a", "decide('allow_session')", "allow for this session"),
                 Binding("n,escape", "decide('deny')", "deny"),
@@ -98,6 +103,7 @@ class HunkReviewScreen(ModalScreen[frozenset[int] | None]):
     """An edit's hunks one at a time: y takes the current one and n leaves it (both move on), Up/Down move,
     Space flips it, Enter applies the hunks taken (none: the edit is denied), Esc goes back. All start taken."""
 
+    VERTICAL_BREAKPOINTS = MODAL_BREAKPOINTS
     BINDINGS = [Binding("y", "mark(True)", "take"), Binding("n", "mark(False)", "leave"),
                 Binding("space", "flip", "flip"), Binding("up,k", "move(-1)", "previous"),
                 Binding("down,j", "move(1)", "next"), Binding("enter", "apply", "apply"),
@@ -128,7 +134,7 @@ class HunkReviewScreen(ModalScreen[frozenset[int] | None]):
             label.update(f"{marker} hunk {idx + 1} of {len(self.taken)}: {'taken' if taken else 'left out'}")
             label.set_class(idx == self.current, "current")
             label.set_class(not taken, "left-out")
-        self.query_one(f"#hunk-label-{self.current}").scroll_visible()
+        self.query_one(f"#hunk-label-{self.current}").scroll_visible(top=True)  # its hunk below it in view
 
     def action_move(self, step: int) -> None:
         self.current = min(max(self.current + step, 0), len(self.taken) - 1)
@@ -153,6 +159,7 @@ class McpTrustScreen(ModalScreen[bool]):
     """Asks once whether the MCP servers a workspace's files configure may start, naming each one and what it runs:
     y starts them, n or Esc does not. The app keeps the answer until those definitions change."""
 
+    VERTICAL_BREAKPOINTS = MODAL_BREAKPOINTS
     BINDINGS = [Binding("y", "decide(True)", "start them"), Binding("n,escape", "decide(False)", "don't start them")]
 
     def __init__(self, root: Path, configs: list[ServerConfig]) -> None:
@@ -161,17 +168,16 @@ class McpTrustScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="mcp-trust"):
-            yield Static("Start this workspace's MCP servers?", classes="modal-title")
-            yield Static(f"{self.root} configures them. A stdio server is a command run on your machine with your "
-                         "permissions, an HTTP server gets the headers named; their tools join the agent's.",
-                         markup=False)
+            yield Static(f"Start the MCP servers of workspace {self.root.name}?", markup=False, classes="modal-title")
+            yield Static("Its files configure them. A stdio server is a command run on your machine as you; an HTTP "
+                         "server gets the headers named. Their tools join the agent's.", markup=False)
             with VerticalScroll(id="mcp-trust-list"):
                 for config in self.configs:
                     yield Static(f"{config.name}  [{shown_path(config.source, self.root)}]", markup=False,
                                  classes="approval-call")
                     yield Static(f"  {describe_config(config)}", markup=False, classes="mcp-trust-what")
-            yield Static("The answer is kept for this workspace until these definitions change; /mcp trust asks "
-                         "again.", markup=False, classes="mcp-trust-note")
+            yield Static("Kept until these definitions change; /mcp trust asks again.", markup=False,
+                         classes="mcp-trust-note")
             with Horizontal(classes="buttons"):
                 yield Button("Start them (y)", id="start", variant="primary")
                 yield Button("Don't start them (n, Esc)", id="refuse", variant="error")
