@@ -213,3 +213,17 @@ def test_a_long_prompt_beside_a_decoder_still_finishes_its_prefill():
     assert mixed == 64 // 8
     # each chunk's 8 ms beside the decode is owed DECODE_SHARE / (1 - DECODE_SHARE) of it in 2 ms steps
     assert decode_only == (mixed - 1) * -(-0.008 * DECODE_SHARE / (1 - DECODE_SHARE) // 0.002)
+
+
+def test_prompts_that_came_with_a_decoding_row_are_not_held_by_it():
+    scheduler = make_scheduler(chunk_size=8)
+    short, long = make_seq(4, max_new=100), make_seq(64, max_new=2)
+    scheduler.add(short)
+    scheduler.add(long)  # the same burst: both are waiting when the first is admitted
+    while not long.output_ids:
+        plan = step(scheduler)
+        assert plan.prefills, "a prompt of the burst was held"
+        assert not plan.turns
+        scheduler.record(plan, 0.050)
+        scheduler.prefill_debt_s = 1.0  # whatever is owed, it is not owed by these prompts
+    assert short.output_ids

@@ -3,9 +3,11 @@
 How prefill and decode share the GPU: every step runs each decoding sequence once (one token per row)
 plus at most `chunk_size` prompt tokens, taken FIFO from the sequences still prefilling, so several short
 prompts can start in the same step. While sequences decode, prompts get the GPU's time by turns: after a
-step that carried a chunk, decode-only steps run until they have had DECODE_SHARE of the time (the
-engine reports each step's wall time through `record`), so a decoding request keeps about that share of
-its tokens/s beside a long prompt instead of waiting one chunk per token. Whole chunks, not smaller ones,
+step that carried a chunk of a prompt that arrived after a decoding row was admitted, decode-only steps
+run until they have had DECODE_SHARE of the time (the engine reports each step's wall time through
+`record`), so a decoding request keeps about that share of its tokens/s beside a long prompt instead of
+waiting one chunk per token. Prompts that arrived before a row was admitted (a burst that came together)
+are not held by it: they reach their first tokens as if it were not there. Whole chunks, not smaller ones,
 because a chunk's time has a large fixed part (every expert's weights are read once per chunk): turns of
 full chunks give the prompt the most tokens for the time it gets. With nothing decoding, prompts run
 every step. A sequence "decodes" when exactly one of its tokens has no KV yet
@@ -46,6 +48,7 @@ class StepPlan:
     decodes: list[Sequence] = field(default_factory=list)  # one token each, at position num_computed
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    turns: bool = False  # a chunk of a prompt that arrived after one of the decoding rows was admitted
 
     @property
     def is_empty(self) -> bool:
@@ -64,6 +67,7 @@ class Scheduler:
         self.num_preemptions = 0  # since start
         self.prefill_debt_s = 0.0  # decode-only time owed to the decoding rows before the next chunk
         self.decode_step_s: float | None = None  # a decode-only step's wall time, smoothed
+        self._last_arrival = 0
 
     # --- requests in and out ---
 
@@ -82,6 +86,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(len(seq.prompt_ids), seq.max_new_tokens)
+        self._last_arrival = max(self._last_arrival, seq.arrival)
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
 
     def finish(self, seq: Sequence) -> None:
@@ -125,13 +130,17 @@ class Scheduler:
                 continue  # its last token is in flight (pipelined): it finishes when that is read
             if seq.status is SequenceStatus.RUNNING and self._make_room(seq, seq.num_computed + 1, plan):
                 plan.decodes.append(seq)
-        budget = 0 if plan.decodes and self.prefill_debt_s > 0 else self.chunk_size
+        budget = self.chunk_size
         for seq in [s for s in self.running if not s.is_decoding]:
             if budget == 0:
                 break
+            turns = any(d.admitted_after < seq.arrival for d in plan.decodes)
+            if turns and self.prefill_debt_s > 0:
+                continue  # the decoding rows' turn
             end = min(seq.num_tokens, seq.num_computed + budget)
             if seq.status is SequenceStatus.RUNNING and self._make_room(seq, end, plan):
                 plan.prefills.append(ScheduledChunk(seq, seq.num_computed, end))
+                plan.turns |= turns
                 budget -= end - seq.num_computed
         now = time.perf_counter()
         for seq in plan.decodes + [c.sequence for c in plan.prefills]:
@@ -139,8 +148,8 @@ class Scheduler:
         return plan
 
     def record(self, plan: StepPlan, duration_s: float) -> None:
-        """The wall time of the step that ran `plan`: what its chunks took beside decoding rows is owed to them
-        (DECODE_SHARE), and decode-only steps pay it back."""
+        """The wall time of the step that ran `plan`: what the chunks of later prompts took beside decoding rows
+        is owed to those rows (DECODE_SHARE), and decode-only steps pay it back."""
         if not plan.decodes:
             self.prefill_debt_s = 0.0  # nothing was decoding: the prompts had the GPU to themselves
         elif not plan.prefills:
@@ -148,7 +157,7 @@ class Scheduler:
             previous = self.decode_step_s
             self.decode_step_s = duration_s if previous is None else (
                 previous + DECODE_STEP_SMOOTHING * (duration_s - previous))
-        else:
+        elif plan.turns:
             prefill_s = max(0.0, duration_s - (self.decode_step_s or 0.0))
             self.prefill_debt_s += prefill_s * DECODE_SHARE / (1 - DECODE_SHARE)
 
@@ -160,6 +169,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             seq.row = self.free_rows.pop()
+            seq.admitted_after = self._last_arrival
             seq.block_hashes = chain_block_hashes(seq.tokens, self.kv.page_size, seq.block_hashes)
             seq.num_computed = self.kv.attach_prefix(seq.row, seq.block_hashes, seq.num_tokens)
             if seq.num_preemptions == 0:

@@ -44,6 +44,7 @@ class Sequence:
     in_flight: int = 0  # tokens sampled on the device and not yet read by the host (pipeline.py), 0 or 1
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
+    admitted_after: int = 0  # the last arrival when it was admitted: later prompts take turns with it
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks of tokens
     submitted_at: float = field(default_factory=time.perf_counter)
     first_scheduled_at: float | None = None
