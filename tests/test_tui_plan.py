@@ -42,3 +42,28 @@ async def test_plan_mode_shows_the_todo_list_and_refuses_edits_without_asking(wo
             await until(pilot, lambda: app.session_id == session_id)
             panel = app.query_one(TodoPanel)
             assert panel.display and str(panel.render()) == SHOWN
+
+
+def test_a_long_todo_list_shows_the_items_around_the_one_in_progress():
+    """At 80x24 the panel has 6 lines: the count, then the item before the one in progress and the ones after,
+    with how many are left out above and below (a list of 15 pushed the one in progress off the panel)."""
+    from northcode.agent.todos import Todo, TodoList
+    from northcode.tui.widgets import todo_lines
+
+    def todos(*statuses: str) -> TodoList:
+        return TodoList([Todo(f"step {idx}", status, "low", str(idx)) for idx, status in enumerate(statuses, 1)])
+
+    middle = todos(*["completed"] * 9, "in_progress", *["pending"] * 5)
+    assert todo_lines(middle, 6).splitlines() == [
+        "15 todos (5 pending, 1 in progress, 9 completed):", "↑ 8 more", "[x] step 9 (id 9, low)",
+        "[~] step 10 (id 10, low)", "[ ] step 11 (id 11, low)", "↓ 4 more"]
+    assert todo_lines(todos(*["pending"] * 8), 6).splitlines()[1:] == [
+        "[ ] step 1 (id 1, low)", "[ ] step 2 (id 2, low)", "[ ] step 3 (id 3, low)", "[ ] step 4 (id 4, low)",
+        "↓ 4 more"]
+    assert todo_lines(todos(*["completed"] * 8), 6).splitlines()[1:] == [  # nothing left to do: the top
+        "[x] step 1 (id 1, low)", "[x] step 2 (id 2, low)", "[x] step 3 (id 3, low)", "[x] step 4 (id 4, low)",
+        "↓ 4 more"]
+    assert todo_lines(todos(*["completed"] * 7, "in_progress"), 6).splitlines()[1:] == [
+        "↑ 4 more", "[x] step 5 (id 5, low)", "[x] step 6 (id 6, low)", "[x] step 7 (id 7, low)",
+        "[~] step 8 (id 8, low)"]
+    assert todo_lines(todos("pending", "pending"), 6) == todos("pending", "pending").summary()  # short: as it is

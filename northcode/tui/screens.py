@@ -175,7 +175,7 @@ class McpTrustScreen(ModalScreen[bool]):
                 for config in self.configs:
                     yield Static(f"{config.name}  [{shown_path(config.source, self.root)}]", markup=False,
                                  classes="approval-call")
-                    yield Static(f"  {describe_config(config)}", markup=False, classes="mcp-trust-what")
+                    yield Static(describe_config(config), markup=False, classes="mcp-trust-what")
             yield Static("Kept until these definitions change; /mcp trust asks again.", markup=False,
                          classes="mcp-trust-note")
             with Horizontal(classes="buttons"):

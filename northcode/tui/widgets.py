@@ -231,8 +231,32 @@ class ToolCallView(Vertical):
 
 
 class TodoPanel(Static):
-    """The session's todo list above the prompt, as the model last wrote it; hidden while the list is empty."""
+    """The session's todo list above the prompt, as the model last wrote it; hidden while the list is empty. A list
+    longer than a third of the screen shows the items around the one in progress, with how many are above and below
+    (the whole list is in the transcript)."""
 
     def show_todos(self, todos: TodoList) -> None:
-        self.update(todos.summary() if todos.items else "")
+        if todos.items:
+            num_lines = max(3, min(10, self.app.size.height // 3 - 2))  # inside the border; the prompt keeps its room
+            self.update(todo_lines(todos, num_lines))
+        else:
+            self.update("")
         self.display = bool(todos.items)
+
+
+def todo_lines(todos: TodoList, num_lines: int) -> str:
+    """The list's count line and its items, in at most `num_lines` lines (one each): those from just before the first
+    item in progress (else pending), with "↑ N more" / "↓ N more" for those left out."""
+    items = todos.items
+    head = todos.summary().splitlines()[0]
+    room = num_lines - 1
+    if len(items) <= room:
+        return "\n".join([head, *(todo.line() for todo in items)])
+    focus = next((idx for idx, todo in enumerate(items) if todo.status == "in_progress"),
+                 next((idx for idx, todo in enumerate(items) if todo.status == "pending"), 0))
+    start = max(0, focus - 1)
+    end = start + room - (1 if start == 0 else 2)  # the lines left after the "more" lines
+    if end >= len(items):
+        end, start = len(items), len(items) - (room - 1)
+    lines = [head] + ([f"↑ {start} more"] if start else []) + [todo.line() for todo in items[start:end]]
+    return "\n".join(lines + ([f"↓ {len(items) - end} more"] if end < len(items) else []))
