@@ -129,6 +129,17 @@ def test_bad_arguments(tools):
         tools.prepare("edit", {"filePath": "notes.md", "oldString": "a", "newString": "a"})
 
 
+def test_a_path_the_system_refuses_is_a_tool_error(tools):
+    """A file name past NAME_MAX (random weights write them) fails a stat in prepare: the model gets the error
+    (the loop turns only ToolError into a result there), the run goes on."""
+    long_name = "x" * 300
+    cases = [("write", {"filePath": long_name, "content": "y"}), ("edit", {"filePath": long_name, "oldString": "a",
+             "newString": "b"}), ("list", {"path": long_name}), ("bash", {"command": "ls", "workdir": long_name})]
+    for name, args in cases:
+        with pytest.raises(ToolError, match="File name too long"):
+            tools.prepare(name, args)
+
+
 async def test_read_output_is_capped(tools):
     (tools.workspace.root / "big.txt").write_text("x" * 100 + "\n" * 0 + "".join(f"{'y' * 99}\n" for _ in range(3000)))
     out = await call(tools, "read", filePath="big.txt")

@@ -143,6 +143,8 @@ class ToolBox:
             return handler(args)
         except ValueError as err:  # SandboxError included
             raise ToolError(str(err)) from None
+        except OSError as err:  # a stat the system refuses: a file name too long, a folder it may not read
+            raise ToolError(str(err)) from None
 
     # --- read-only tools ---
 
