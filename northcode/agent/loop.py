@@ -13,7 +13,10 @@ AUTO_COMPACT_SHARE of the context window, the agent compacts the conversation as
 Entering and leaving plan mode is told to the model as a note on the next user message (the system
 prompt stays as it was); the toolbox's todo list is the one this conversation's todowrite calls left.
 A request waits until the MCP servers starting have started or failed, so that the tools offered (which lead the
-prompt) change only when a server is lost.
+prompt) change only when a server is lost. `first_tool_choice` forces each turn's first model call (a tool_choice:
+required, none or a tool's name); the turn's later calls are the model's choice again, as the OpenAI Agents SDK's
+reset_tool_choice does, so a forced call cannot repeat until the step limit (a tool_choice in `request_params`
+holds for every call).
 """
 
 from __future__ import annotations
@@ -146,7 +149,8 @@ class Agent:
                  on_retract: Callable[[int], None] | None = None,
                  on_event: Callable[[Delta | Completion | ToolEvent | CompactEvent], None | Awaitable[None]] | None = None,
                  request_params: dict | None = None, context_window: int | None = None,
-                 on_compacted: Callable[[list[dict], str], None] | None = None) -> None:
+                 on_compacted: Callable[[list[dict], str], None] | None = None,
+                 first_tool_choice: str | dict | None = None) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps {max_steps}: expected at least 1")
         self.client, self.toolbox, self.approvals = client, toolbox, approvals
@@ -155,6 +159,7 @@ class Agent:
         self.on_retract = on_retract or (lambda num_messages: None)  # messages from this index on were taken back
         self.on_event = on_event or (lambda event: None)
         self.request_params = request_params or {}
+        self.first_tool_choice = first_tool_choice  # OpenAI's tool_choice for each turn's first call; None: default
         self.context_window = context_window  # tokens; None: unknown, never compacted automatically
         self.on_compacted = on_compacted or (lambda messages, title: None)  # the new conversation and its title
         self.messages: list[dict] = list(messages or [])
@@ -216,7 +221,7 @@ class Agent:
         for step_idx in range(self.max_steps):
             if step_idx and self.should_compact() and await self._auto_compact():
                 self._append({"role": "user", "content": CONTINUE_AFTER_COMPACTION})
-            completion = await self._model_step()
+            completion = await self._model_step(forced=step_idx == 0)
             usage = sum_usage(usage, completion.usage)
             if not completion.tool_calls:
                 reason = "length" if completion.finish_reason == "length" else "done"
@@ -235,13 +240,16 @@ class Agent:
             await self._emit(ToolEvent(call, None))
             await self._emit(ToolEvent(call, None, output, ok=False))
 
-    async def _model_step(self) -> Completion:
+    async def _model_step(self, forced: bool = False) -> Completion:
         if self.use_tools and self.toolbox.mcp is not None:  # the MCP tools of the first request stay in the next
             await self.toolbox.mcp.wait_started()
         tools = self.toolbox.schemas() if self.use_tools else None
+        params = self.request_params
+        if forced and self.use_tools and self.first_tool_choice is not None:
+            params = {**params, "tool_choice": self.first_tool_choice}
         partial = Completion()
         try:
-            async for event in self.client.stream_chat(self.messages, tools, **self.request_params):
+            async for event in self.client.stream_chat(self.messages, tools, **params):
                 if isinstance(event, Completion):
                     partial = event
                 else:

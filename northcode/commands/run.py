@@ -7,7 +7,8 @@ The workspace's MCP servers (agent/mcp_servers.py) start beside the model server
 said on stderr and the run goes on without it; a workspace's own servers start only once approved in the app
 (agent/mcp_trust.py) or with --trust-mcp. No one can answer approval questions here, so calls that would ask
 are denied and the model is told why: pick --mode auto-edit or full-auto to let it edit, or full-auto to run
-commands and MCP tools.
+commands and MCP tools. --tool-choice forces the run's first model call (a tool, or none); the calls after it are the
+model's choice, so a forced call cannot repeat until the step limit.
 Exit codes: 0 done, 1 the endpoint failed, 2 bad input, 3 step limit reached, 4 the answer was
 cut off by the token limit inside a tool call (which was not run), 130 interrupted.
 """
@@ -43,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-mcp", action="store_true", help="start the MCP servers the workspace's files "
                                                                  "configure even if not approved in the app (this run)")
     parser.add_argument("--max-tokens", type=int, help="tokens per model answer at most (default: the server's)")
+    parser.add_argument("--tool-choice", metavar="CHOICE",
+                        help="the first model call's tool_choice: auto (default), required (it must call a tool), none, "
+                             "or a tool's name (it must call that tool); the later calls are the model's choice")
+    parser.add_argument("--reasoning-effort", choices=["none", "low", "medium", "high"],
+                        help="sent as reasoning_effort (default: the server's, thinking on); none turns thinking off")
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("-s", "--session", metavar="ID", help="continue a saved session (its id is in the --json output)")
     resume.add_argument("-c", "--continue", dest="continue_last", action="store_true",
@@ -111,10 +117,24 @@ def _check(args: argparse.Namespace) -> str:
         raise ValueError(f"--max-steps {args.max_steps}: expected at least 1")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: expected at least 1")
+    _tool_choice(args.tool_choice)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise ValueError("--prompt: the task is empty")
     return prompt
+
+
+def _tool_choice(choice: str | None) -> str | dict | None:
+    """--tool-choice as OpenAI's tool_choice (a tool's name becomes a named function); ValueError."""
+    from northcode.agent.mcp_servers import PREFIX as MCP_PREFIX
+    from northcode.agent.tools import TOOL_KINDS
+
+    if choice is None or choice in ("auto", "required", "none"):
+        return choice
+    if choice not in TOOL_KINDS and not choice.startswith(MCP_PREFIX):  # an MCP tool is checked by the server
+        raise ValueError(f"--tool-choice {choice!r}: expected auto, required, none or a tool "
+                         f"({', '.join(TOOL_KINDS)}, or {MCP_PREFIX}SERVER__TOOL)")
+    return {"type": "function", "function": {"name": choice}}
 
 
 async def _run(args: argparse.Namespace, prompt: str, stream) -> tuple[int, dict]:
@@ -178,6 +198,8 @@ async def _run_agent(args: argparse.Namespace, prompt: str, stream, store, sessi
     history = store.messages(session_id) if session_id else None
     recorder = SessionRecorder(store, workspace.root, served, session_id)
     params = {"max_tokens": args.max_tokens} if args.max_tokens else {}
+    if args.reasoning_effort:
+        params["reasoning_effort"] = args.reasoning_effort
     await mcp_started  # each MCP server is ready or failed (and said so) before the first request
 
     def on_message(message: dict) -> None:
@@ -196,7 +218,8 @@ async def _run_agent(args: argparse.Namespace, prompt: str, stream, store, sessi
 
     agent = Agent(client, toolbox, Approvals(Mode.parse(args.mode), ask=None), messages=history, max_steps=args.max_steps,
                   on_message=on_message, on_retract=recorder.retract, on_event=on_event, request_params=params,
-                  context_window=model.context_window, on_compacted=recorder.restart)
+                  context_window=model.context_window, on_compacted=recorder.restart,
+                  first_tool_choice=_tool_choice(args.tool_choice))
     transcript.update(model=served, model_label=label, endpoint=root)
     try:
         result = await agent.run_turn(prompt)
