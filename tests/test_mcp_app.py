@@ -75,7 +75,7 @@ async def test_the_app_reports_the_servers_asks_before_a_call_and_lists_them(wor
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store, mode=Mode.AUTO_EDIT)
         async with app.run_test(size=(120, 40)) as pilot:
             await until(pilot, lambda: isinstance(app.screen, McpTrustScreen))
-            await pilot.press("y")
+            await pilot.press("left", "enter")  # to "Start them"
             await until(pilot, lambda: app.agent is not None and any("calc: ready" in n for n in notices(app)))
             shown = "\n".join(notices(app))
             assert "MCP server calc: ready, 8 tools (/mcp lists them)" in shown
@@ -165,9 +165,10 @@ async def test_the_app_asks_once_keeps_a_no_and_asks_again_when_the_file_changes
         async with app.run_test(size=(100, 30)) as pilot:
             await until(pilot, lambda: isinstance(app.screen, McpTrustScreen))
             shown = "\n".join(str(widget.render()) for widget in app.screen.query("Static"))
-            assert f"MCP servers of workspace {workspace.name}?" in shown and "calc  [.mcp.json]" in shown and "broken  [.mcp.json]" in shown
+            assert f"MCP servers of workspace {workspace.name}?" in shown
+            assert "calc  [.mcp.json]" in shown and "broken  [.mcp.json]" in shown
             assert f"stdio: {' '.join(STDIO_COMMAND)}" in shown and "stdio: /nonexistent/mcp-server" in shown
-            await pilot.press("n")
+            await pilot.press(*"yes", "enter")  # letters answer nothing; Enter: "Don't"
             await until(pilot, lambda: any("not started (/mcp trust asks again)" in n for n in notices(app)))
             app.query_one(PromptInput).text = "/mcp"
             await pilot.press("enter")
@@ -185,7 +186,7 @@ async def test_the_app_asks_once_keeps_a_no_and_asks_again_when_the_file_changes
             app.query_one(PromptInput).text = "/mcp trust"  # asks again, and a yes starts them now
             await pilot.press("enter")
             await until(pilot, lambda: isinstance(app.screen, McpTrustScreen))
-            await pilot.press("y")
+            await pilot.press("left", "enter")  # to "Start them"
             await until(pilot, lambda: any("calc: ready, 8 tools" in n for n in notices(app)))
 
         (workspace / ".mcp.json").write_text((workspace / ".mcp.json").read_text().replace("/nonexistent/", "/other/"))

@@ -381,6 +381,23 @@ async def test_the_first_request_waits_for_the_servers_starting(workspace, tmp_p
         await servers.aclose()
 
 
+async def test_starting_imports_the_sdk_off_the_event_loop(workspace, tmp_path, monkeypatch):
+    """A cold import of the SDK takes seconds; on the loop it stalled the model server's 2 s health probe, which
+    `northcode run` with a workspace's server then failed as "no server (ConnectTimeout)"."""
+    import northcode.agent.mcp_servers as mcp_servers
+
+    monkeypatch.setattr(mcp_servers, "_import_sdk", lambda: time.sleep(0.5))  # as slow as a cold import, or more
+    servers = McpServers([stdio_config()], workspace.root, tmp_path)
+    starting = asyncio.ensure_future(servers.start())
+    gaps, last = [], time.monotonic()
+    while not starting.done():
+        await asyncio.sleep(0.01)
+        gaps.append(time.monotonic() - last)
+        last = time.monotonic()
+    await servers.aclose()
+    assert servers.servers["calc"].state == "stopped" and max(gaps) < 0.4
+
+
 @pytest.mark.parametrize("transport, mode", [("stdio", "auto"), ("http", "auto"), ("stdio", "legacy")])
 async def test_tools_are_listed_again_when_the_server_says_they_changed(workspace, tmp_path, transport, mode,
                                                                          monkeypatch):

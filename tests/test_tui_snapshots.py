@@ -232,7 +232,8 @@ def test_mcp_trust_screen(snap_compare, workspace, store):
         "files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "."],
                   "env": {"LOG_LEVEL": "debug"}},
         "docs": {"type": "http", "url": "https://example.com/mcp", "headers": {"Authorization": "Bearer x"}}}}))
-    (workspace / "opencode.json").write_text('{"mcp": {"git": {"type": "local", "command": ["uvx", "mcp-server-git"]}}}')
+    (workspace / "opencode.json").write_text(json.dumps({"mcp": {"git": {"type": "local",
+                                                                     "command": ["uvx", "mcp-server-git"]}}}))
     with ScriptedEndpoint([]) as endpoint:
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
 

@@ -142,6 +142,7 @@ class McpServers:
     async def _hold(self, server: McpServer) -> None:
         """The task that holds `server`'s connection open until it is stopped or lost."""
         try:
+            await asyncio.to_thread(_import_sdk)  # seconds when cold: on the loop it stalled the model server's probe
             async with self._client(server) as client:
                 server.tools = await _list_tools(client, server.name)
                 server.client, server.state = client, "ready"
@@ -326,6 +327,13 @@ async def _until_set(*events: asyncio.Event) -> asyncio.Event:
         for waiter in waiters:
             waiter.cancel()
     return next(event for event in events if event.is_set())
+
+
+def _import_sdk() -> None:
+    import httpx2  # noqa: F401
+    import mcp  # noqa: F401
+    import mcp.client.stdio  # noqa: F401
+    import mcp.client.streamable_http  # noqa: F401
 
 
 def _client_info() -> Any:

@@ -156,11 +156,14 @@ class HunkReviewScreen(ModalScreen[frozenset[int] | None]):
 
 
 class McpTrustScreen(ModalScreen[bool]):
-    """Asks once whether the MCP servers a workspace's files configure may start, naming each one and what it runs:
-    y starts them, n or Esc does not. The app keeps the answer until those definitions change."""
+    """Asks once whether the MCP servers a workspace's files configure may start, naming each one and what it runs.
+    Enter presses the focused button ("Don't start them" at first; Left/Right or Tab move), Esc does not start them:
+    no letter answers, since the screen opens with the app and a prompt typed at once must not say yes. The app
+    keeps the answer until those definitions change."""
 
     VERTICAL_BREAKPOINTS = MODAL_BREAKPOINTS
-    BINDINGS = [Binding("y", "decide(True)", "start them"), Binding("n,escape", "decide(False)", "don't start them")]
+    BINDINGS = [Binding("escape", "decide(False)", "don't start them"),
+                Binding("left", "app.focus_previous", show=False), Binding("right", "app.focus_next", show=False)]
 
     def __init__(self, root: Path, configs: list[ServerConfig]) -> None:
         super().__init__()
@@ -176,11 +179,11 @@ class McpTrustScreen(ModalScreen[bool]):
                     yield Static(f"{config.name}  [{shown_path(config.source, self.root)}]", markup=False,
                                  classes="approval-call")
                     yield Static(describe_config(config), markup=False, classes="mcp-trust-what")
-            yield Static("Kept until these definitions change; /mcp trust asks again.", markup=False,
-                         classes="mcp-trust-note")
+            yield Static("Left/Right choose, Enter answers. Kept until these definitions change; /mcp trust asks "
+                         "again.", markup=False, classes="mcp-trust-note")
             with Horizontal(classes="buttons"):
-                yield Button("Start them (y)", id="start", variant="primary")
-                yield Button("Don't start them (n, Esc)", id="refuse", variant="error")
+                yield Button("Start them", id="start", variant="primary")
+                yield Button("Don't start them (Esc)", id="refuse", variant="error")
 
     def on_mount(self) -> None:
         self.query_one("#refuse", Button).focus()  # Enter on a screen that just opened starts nothing
