@@ -4,6 +4,7 @@ answers kept in the data folder."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from northcode.agent.mcp_config import load_servers
 from northcode.agent.mcp_servers import McpServers
@@ -67,3 +68,14 @@ def test_untrusted_servers_wait_until_trusted(tmp_path):
     servers.trust()
     assert not servers.untrusted() and all(s.state == "starting" and not s.started.is_set()
                                            for s in servers.servers.values())
+
+
+def test_one_server_is_named_in_the_singular():
+    from northcode.agent.mcp_config import ServerConfig
+    from northcode.agent.mcp_trust import servers_named
+
+    root = Path("/work/project")
+    calc = ServerConfig("calc", "stdio", root / ".mcp.json", ("calc-server",))
+    notes = ServerConfig("notes", "stdio", root / "opencode.json", ("notes-server",))
+    assert servers_named([calc], root) == "MCP server calc (.mcp.json)"
+    assert servers_named([calc, notes], root) == "MCP servers calc (.mcp.json), notes (opencode.json)"

@@ -393,3 +393,17 @@ async def test_a_call_is_shown_while_its_arguments_stream(workspace, store):
             await pilot.pause(0.1)
             assert titles() == ["→ write notes.txt"]  # the progress line gave way to the whole call
     assert (workspace / "notes.txt").read_text() == "x" * 300
+
+
+async def test_quitting_while_an_approval_is_open_ends_cleanly(workspace, store):
+    edit = ("edit", {"filePath": "app.py", "oldString": "x = 1", "newString": "x = 2"})
+    with ScriptedEndpoint([tool_reply(edit), text_reply("ok")]) as endpoint:
+        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: app.agent is not None)
+            await send(app, pilot, "bump x")
+            await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+            app.exit()
+            await pilot.pause(0.2)
+    assert app.return_code in (0, None) and app._exception is None  # the cancelled turn raised nothing
+    assert (workspace / "app.py").read_text() == "x = 1\n"

@@ -60,13 +60,18 @@ def describe_config(config: ServerConfig) -> str:
     return f"http: {config.url}{extra}"
 
 
-def headless_refusal(configs: list[ServerConfig], root: Path) -> str:
-    """What `northcode run` says of the untrusted servers it leaves unstarted, and how to trust them."""
+def servers_named(configs: list[ServerConfig], root: Path) -> str:
+    """'MCP server NAME (FILE)', or 'MCP servers A (FILE), B (FILE)', the files shown from the workspace."""
     from northcode.agent.instructions import shown_path
 
     names = ", ".join(f"{config.name} ({shown_path(config.source, root)})" for config in configs)
-    return (f"MCP servers {names} not started: this workspace's MCP servers are not approved (approve them in the "
-            "app, `northcode` in this workspace, or pass --trust-mcp to start them for this run)")
+    return f"MCP server{'s' if len(configs) > 1 else ''} {names}"
+
+
+def headless_refusal(configs: list[ServerConfig], root: Path) -> str:
+    """What `northcode run` says of the untrusted servers it leaves unstarted, and how to trust them."""
+    return (f"{servers_named(configs, root)} not started: this workspace's MCP servers are not approved (approve "
+            "them in the app, `northcode` in this workspace, or pass --trust-mcp to start them for this run)")
 
 
 def _records(user_dir: Path) -> dict:

@@ -19,7 +19,8 @@ SLASH_COMMANDS = (  # (name, its argument as the help page writes it (Markdown),
     ("undo", "", "take back the file changes of the agent's last turn that made any (not shell commands)"),
     ("compact", "", "summarise the conversation so far and go on from the summary (frees the context; "
                     "the agent does it itself before the context fills)"),
-    ("mcp", "", "list the MCP servers: their state, tools and errors"),
+    ("mcp", "[trust]", "list the MCP servers: their state, tools and errors; /mcp trust asks again whether this "
+                       "workspace's servers may start"),
     ("clear", "", "clear the screen (the conversation goes on)"),
     ("help", "", "this page"),
     ("quit", "", "leave"),

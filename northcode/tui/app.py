@@ -428,8 +428,9 @@ class NorthcodeApp(App):
         try:
             return await self.push_screen_wait(ApprovalScreen(call))
         except asyncio.CancelledError:
-            if isinstance(self.screen, ApprovalScreen):
-                self.screen.dismiss(Decision.DENY)
+            screens = self.screen_stack  # empty while the app quits: self.screen would raise
+            if screens and isinstance(screens[-1], ApprovalScreen):
+                screens[-1].dismiss(Decision.DENY)
             raise
         finally:
             self.status.show(busy=f"running {call.name}…")

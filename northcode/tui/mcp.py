@@ -13,7 +13,7 @@ from northcode import paths
 from northcode.agent.instructions import shown_path
 from northcode.agent.mcp_config import USER_FILE
 from northcode.agent.mcp_servers import McpServer, workspace_servers
-from northcode.agent.mcp_trust import stored_decision, store_decision
+from northcode.agent.mcp_trust import servers_named, store_decision, stored_decision
 from northcode.tui.screens import McpTrustScreen
 from northcode.tui.widgets import Notice
 
@@ -40,13 +40,12 @@ class AppMcpServers:
         if untrusted and stored_decision(self.app.workspace.root, untrusted, paths.data_dir()) is None:
             await self.ask_trust()
         elif untrusted:
-            await self.app.add(Notice(f"MCP servers {self.names(untrusted)} not started: you declined this "
+            await self.app.add(Notice(f"{self.names(untrusted)} not started: you declined this "
                                       "workspace's MCP servers (/mcp trust asks again)", "warning"))
         await self.servers.start()
 
     def names(self, configs) -> str:
-        root = self.app.workspace.root
-        return ", ".join(f"{config.name} ({shown_path(config.source, root)})" for config in configs)
+        return servers_named(configs, self.app.workspace.root)
 
     async def ask_trust(self) -> None:
         """Ask whether the untrusted servers may start (in a worker) and keep the answer; start them on a yes."""
@@ -57,7 +56,7 @@ class AppMcpServers:
         if allowed:
             self.servers.trust()
         else:
-            await self.app.add(Notice(f"MCP servers {self.names(untrusted)} not started (/mcp trust asks again)"))
+            await self.app.add(Notice(f"{self.names(untrusted)} not started (/mcp trust asks again)"))
 
     def trust_again(self) -> None:
         """/mcp trust: ask about the untrusted servers now, and start them on a yes."""
