@@ -104,6 +104,29 @@ class _KeyCheck:
         await self.app(scope, receive, send)
 
 
+class ThreadedServer:
+    """An ASGI app served by uvicorn on a free loopback port in a daemon thread: start() returns once it listens."""
+
+    def __init__(self, app, lifespan: str = "auto") -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan=lifespan))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def start(self, what: str) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, f"{what} did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
 def _fragments(text: str) -> list[str]:
     words = text.split(" ")
     return [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words) if w or i < len(words) - 1]
@@ -125,25 +148,16 @@ class ScriptedEndpoint:
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models), Route("/health", self._health), Route("/metrics", self._metrics),
         ])
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
+        self._server = ThreadedServer(app, lifespan="off")
+        self.port = self._server.port
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def __enter__(self) -> ScriptedEndpoint:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "scripted endpoint did not start"
-            time.sleep(0.01)
+        self._server.start("scripted endpoint")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+        self._server.stop()
 
     async def _models(self, request: Request) -> JSONResponse:
         card = {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "tests", "max_model_len": self.context_len}

@@ -46,3 +46,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("tiny-checkpoint")
     create_checkpoint("tiny", out, seed=0)
     return out
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A session store of its own for the test (the app's and the agent's saved sessions)."""
+    from northcode.agent.sessions import SessionStore
+
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    yield store
+    store.close()

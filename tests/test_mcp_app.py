@@ -15,7 +15,6 @@ from northcode import paths
 from northcode.agent.approvals import Mode
 from northcode.agent.mcp_config import load_servers
 from northcode.agent.mcp_trust import TRUST_FILE, needing_approval, store_decision
-from northcode.agent.sessions import SessionStore
 from northcode.cli import main
 from northcode.tui.app import NorthcodeApp
 from northcode.tui.screens import ApprovalScreen, McpTrustScreen
@@ -31,13 +30,6 @@ def workspace(tmp_path):
         "calc": {"command": command, "args": [script]}, "broken": {"command": "/nonexistent/mcp-server"}}}))
     (root / "opencode.json").write_text('{"mcp": {"odd": {"type": "sse"}}}')
     return root
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = SessionStore(tmp_path / "sessions.sqlite3")
-    yield store
-    store.close()
 
 
 def test_run_reports_the_servers_on_stderr_and_calls_the_tool(workspace, capsys):

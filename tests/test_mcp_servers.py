@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -82,8 +80,8 @@ if __name__ == "__main__":  # the stdio server: python tests/test_mcp_servers.py
     sys.exit(0)
 
 import pytest  # noqa: E402
-import uvicorn  # noqa: E402
-from agent_scripted_endpoint import RecordingAsker, ScriptedEndpoint, text_reply, tool_reply  # noqa: E402
+from agent_scripted_endpoint import (RecordingAsker, ScriptedEndpoint, ThreadedServer, text_reply,  # noqa: E402
+                                     tool_reply)
 
 from northcode.agent.approvals import Approvals, Decision, Mode  # noqa: E402
 from northcode.agent.client import ChatClient  # noqa: E402
@@ -110,24 +108,15 @@ class HttpMcpServer:
                 self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
             await app(scope, receive, send)
 
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/mcp"
-        self._server = uvicorn.Server(uvicorn.Config(recorded, log_level="error"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self._server = ThreadedServer(recorded)
+        self.url = f"http://127.0.0.1:{self._server.port}/mcp"
 
     def __enter__(self) -> HttpMcpServer:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "the MCP HTTP server did not start"
-            time.sleep(0.01)
+        self._server.start("the MCP HTTP server")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+        self._server.stop()
 
 
 def stdio_config(name: str = "calc", command: tuple[str, ...] = STDIO_COMMAND, **kwargs) -> ServerConfig:

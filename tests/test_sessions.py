@@ -9,13 +9,6 @@ import pytest
 from northcode.agent.sessions import SessionStore
 
 
-@pytest.fixture
-def store(tmp_path):
-    store = SessionStore(tmp_path / "sessions.sqlite3")
-    yield store
-    store.close()
-
-
 def test_messages_round_trip_exactly(store, tmp_path):
     session_id = store.create(tmp_path, "m")
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "fix the bug\nin app.py"},

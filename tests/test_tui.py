@@ -9,7 +9,6 @@ import pytest
 from agent_scripted_endpoint import ScriptedEndpoint, error_reply, prompt_tokens, text_reply, tool_reply
 
 from northcode.agent.approvals import Mode
-from northcode.agent.sessions import SessionStore
 from northcode.tui.app import NorthcodeApp
 from northcode.tui.screens import ApprovalScreen, HelpScreen, SessionsScreen
 from northcode.tui.widgets import AssistantMessage, Notice, PromptInput, StatusLine, ToolCallView, UserMessage
@@ -21,13 +20,6 @@ def workspace(tmp_path):
     root.mkdir()
     (root / "app.py").write_text("x = 1\n")
     return root
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = SessionStore(tmp_path / "sessions.sqlite3")
-    yield store
-    store.close()
 
 
 async def until(pilot, condition, timeout_s: float = 10.0) -> None:

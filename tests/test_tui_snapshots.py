@@ -12,7 +12,6 @@ import time
 import pytest
 from agent_scripted_endpoint import ScriptedEndpoint, text_reply, tool_reply
 
-from northcode.agent.sessions import SessionStore
 from northcode.tui.app import NorthcodeApp
 from northcode.tui.screens import ApprovalScreen, McpTrustScreen, SessionsScreen
 from northcode.tui.widgets import PromptInput, StatusLine
@@ -34,13 +33,6 @@ def workspace(tmp_path):
     root.mkdir()
     (root / "app.py").write_text("def greet(name):\n    return 'hello ' + name\n")
     return root
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = SessionStore(tmp_path / "sessions.sqlite3")
-    yield store
-    store.close()
 
 
 async def settle(pilot, condition) -> None:
