@@ -7,7 +7,7 @@ import json
 
 import pytest
 from agent_scripted_endpoint import ScriptedEndpoint, text_reply, tool_reply
-from test_tui import notices, send, store, until  # noqa: F401 (store: a fixture)
+from test_tui import notices, send, until
 
 from northcode.agent.approvals import Approvals, Mode
 from northcode.agent.client import ChatClient

@@ -4,7 +4,7 @@ slash commands, the @ file picker, per-hunk review; Pilot against the scripted e
 from __future__ import annotations
 
 from agent_scripted_endpoint import ScriptedEndpoint, text_reply
-from test_tui import notices, send, store, until, workspace  # noqa: F401 (store, workspace: fixtures)
+from test_tui import notices, send, until, workspace  # noqa: F401 (workspace: a fixture)
 
 from northcode.tui.app import NorthcodeApp
 from northcode.tui.widgets import PromptInput

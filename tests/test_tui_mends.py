@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent_scripted_endpoint import ScriptedEndpoint, text_reply
-from test_tui import notices, send, store, until, workspace  # noqa: F401 (store, workspace: fixtures)
+from test_tui import notices, send, until, workspace  # noqa: F401 (workspace: a fixture)
 from textual.widgets import Markdown
 
 from northcode.tui.app import NorthcodeApp

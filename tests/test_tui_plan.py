@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent_scripted_endpoint import ScriptedEndpoint, text_reply, tool_reply
-from test_tui import send, store, until, workspace  # noqa: F401 (store, workspace: fixtures)
+from test_tui import send, until, workspace  # noqa: F401 (workspace: a fixture)
 
 from northcode.agent.approvals import Mode
 from northcode.tui.app import NorthcodeApp
