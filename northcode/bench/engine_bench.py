@@ -102,10 +102,10 @@ def schema_grammar(schema: dict):
     """The GrammarSpec of a json_schema response_format as the server builds it, without its text markers:
     `%llguidance {}` / `start: %json <schema, x-guidance tojson style>`; ValueError when it cannot be enforced."""
     from northcode.server.errors import RequestError
-    from northcode.server.structured_output import _enforced, _spec
+    from northcode.server.structured_output import json_schema_grammar
 
     try:
-        return _spec(f"%json {_enforced(schema, '--schema', lenient=False)}", {}, None)
+        return json_schema_grammar(schema, "--schema")
     except RequestError as err:
         raise ValueError(err.message) from None
 

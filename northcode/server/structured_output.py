@@ -46,6 +46,12 @@ def chat_grammar(chat: ChatRequest, prompt_ids: list[int], markers: Markers) -> 
     return _spec(answer, rules, None)
 
 
+def json_schema_grammar(schema: dict, param: str) -> GrammarSpec:
+    """JSON valid against `schema` and nothing else (no text markers), enforced as a json_schema response_format's
+    JSON is; RequestError naming `param` when llguidance cannot enforce it."""
+    return _spec(f"%json {_enforced(schema, param, lenient=False)}", {}, None)
+
+
 def _action_rules(chat: ChatRequest, markers: Markers, lenient: bool) -> dict[str, str]:
     """An action block as the template writes one: `[`, then each call on its own line as
     {"tool_call_id": "N", "tool_name": NAME, "parameters": {...}}, then `]` on its own line."""
