@@ -141,9 +141,7 @@ class ToolBox:
             raise ToolError(f"unknown tool {name!r}; the tools are: {', '.join(TOOL_KINDS)}")
         try:
             return handler(args)
-        except ValueError as err:  # SandboxError included
-            raise ToolError(str(err)) from None
-        except OSError as err:  # a stat the system refuses: a file name too long, a folder it may not read
+        except (ValueError, OSError) as err:  # SandboxError; a stat the system refuses (a name too long, no access)
             raise ToolError(str(err)) from None
 
     # --- read-only tools ---
