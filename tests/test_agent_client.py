@@ -95,6 +95,19 @@ async def test_errors_name_the_problem(reply, message):
             await collect(endpoint)
 
 
+@pytest.mark.parametrize("line_end", ["\n", "\r\n", "\r"])
+async def test_a_stream_splits_only_where_sse_ends_a_line(line_end):
+    """U+2028, U+0085 and the other str.splitlines breaks are text inside an event (a server may write them raw in
+    its JSON); CR, LF and CRLF end lines."""
+    arguments = '{"path": "a\u2028b\x85c\u2029d\x0ce"}'
+    stream = sse(delta(content="x\u2028y"), delta(tool_calls=[{"index": 0, "id": "c1", "function": {
+        "name": "write", "arguments": arguments}}]), "[DONE]")
+    stream = stream.replace("\\u2028", "\u2028").replace("\\u0085", "\x85").replace("\\u2029", "\u2029")
+    with ScriptedEndpoint([raw_reply(stream.replace("\n", line_end))]) as endpoint:
+        _, completion = await collect(endpoint)
+    assert completion.content == "x\u2028y" and completion.tool_calls[0].arguments == arguments
+
+
 async def test_model_comes_from_v1_models_when_not_given():
     with ScriptedEndpoint([]) as endpoint:
         client = ChatClient(endpoint.url)

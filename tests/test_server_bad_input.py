@@ -268,6 +268,23 @@ def test_completion_logprobs_are_finite_strict_json(logprob_client, stream):
     assert values and set(values) == {-9999.0}
 
 
+LINE_BREAKS_TEXT = "a\u2028b\x85c\u2029d"  # line breaks to str.splitlines that JSON leaves raw, but not to SSE
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", chat_body(stream=True)),
+                                        ("/v1/responses", {"input": "hi", "stream": True})])
+def test_every_event_is_one_line_to_a_splitlines_reader(tiny_checkpoint, tok, path, body):
+    """httpx's aiter_lines splits as str.splitlines does: each data line must still hold a whole JSON event."""
+    script = encode_script(tok, "Hmm.", "END_THINKING", "START_TEXT", LINE_BREAKS_TEXT, "END_TEXT", "END_OF_TURN_TOKEN")
+    client = TestClient(create_app(ServerState(ServerOptions(), engine=ScriptedEngine(tiny_checkpoint, script))))
+    response = client.post(path, json=body)
+    assert response.status_code == 200
+    data = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [strict_loads(d) for d in data if d != "[DONE]"]
+    text = "".join(json.dumps(e, ensure_ascii=False) for e in events)
+    assert events and "\u2028" in text and "\x85" in text and "\u2029" in text  # the text arrived, as text
+
+
 # --- a real server: keep-alive after a 4xx, a client that hangs up mid-body ---
 
 

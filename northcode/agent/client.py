@@ -11,6 +11,7 @@ by index, as OpenAI streams them: id/name on the first delta, argument fragments
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -86,6 +87,7 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
 
 
 API_KEY_ENV = "NORTHCODE_API_KEY"  # the key for an endpoint that wants one (`northcode serve --api-key`)
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 def error_message(response_body: bytes, status: int) -> str:
@@ -199,9 +201,21 @@ def _transport_error(url: str, err: httpx.HTTPError) -> str:
     return f"{url}: the connection failed ({type(err).__name__}: {err})"
 
 
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """An SSE stream's lines, ended only at CR, LF or CRLF as the SSE spec says. httpx's aiter_lines also ends
+    them at U+2028, U+0085 and the other str.splitlines breaks, which a server may leave raw inside its JSON."""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = _SSE_LINE_END.split(rest + text)  # a CRLF split across two reads yields one blank line more
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
+
+
 async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
     """The JSON payloads of an SSE stream's `data:` lines, up to `data: [DONE]`."""
-    async for line in response.aiter_lines():
+    async for line in _sse_lines(response):
         if not line.startswith("data:"):
             continue  # blank separators, comments (": keep-alive"), event names
         payload = line[len("data:"):].strip()

@@ -13,6 +13,9 @@ import math
 from northcode.engine.request import TokenLogprob, Usage
 
 LOGPROB_FLOOR = -9999.0  # natural log; vLLM's stand-in for -inf
+# Line breaks to str.splitlines (httpx's aiter_lines among the readers that split that way) that JSON leaves raw:
+# escaped, an event is one line to every reader. SSE itself ends a line only at CR or LF.
+_SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(payload: dict | str) -> bytes:
@@ -20,7 +23,7 @@ def sse(payload: dict | str) -> bytes:
     if isinstance(payload, str):
         return f"data: {payload}\n\n".encode()
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return f"data: {data}\n\n".encode()
+    return f"data: {data.translate(_SPLITLINES_BREAKS)}\n\n".encode()
 
 
 def finite_logprob(logprob: float) -> float:
