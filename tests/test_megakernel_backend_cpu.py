@@ -2,14 +2,17 @@
 interface (step, io, tokens, logits, schedule; sticky status) computed by the torch decode step on the shared
 pools and sampled by engine/sampling.sample_on_device, so its tokens are TorchBackend's. What this checks: rows
 cut into launches of 8, carried tokens (gathered, or left in the io buffer), rows that join, leave and
-reorder, draw numbers, logits for the engine's Sampler, status failures raised when a step is read, and the
-Engine pipelining over it with the torch engine's outputs. The real kernel: tests/gpu/test_megakernel_backend_gpu.py.
+reorder, draw numbers, logits for the engine's Sampler, status failures raised when a step is read, late token
+masks (asked for after the step's launches, each mask slot released then; a failure on the host releases them
+all), and the Engine pipelining over it with the torch engine's outputs. The real kernel:
+tests/gpu/test_megakernel_backend_gpu.py and tests/gpu/test_megakernel_masked_sampling.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import pytest
@@ -18,9 +21,9 @@ import torch
 from northcode.engine.engine import Engine
 from northcode.engine.kv_cache import KVCacheManager
 from northcode.engine.pipeline import IN_FLIGHT
-from northcode.engine.request import SamplingParams
-from northcode.engine.sampling import (ALWAYS, BatchSamplingArgs, SamplingRow, TokenMasks, apply_token_masks,
-                                      sample_on_device)
+from northcode.engine.request import GrammarSpec, SamplingParams
+from northcode.engine.sampling import (ALWAYS, BatchSamplingArgs, SamplingRow, TokenMasks, allowed_tokens,
+                                      apply_token_masks, sample_on_device)
 from northcode.engine.settings import EngineSettings
 from northcode.megakernel.backend import MegakernelBackend
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, RowSpec
@@ -34,10 +37,16 @@ from tests.test_torch_backend import SAMPLING, host_fed_batch, launch_batch, pre
 ROWS, MAX_PAGES, NUM_PAGES = 11, 8, 120  # 11 rows: steps of two launches (8 + 3)
 
 
+SLOT_BASE, SLOT_BYTES = 1 << 40, 1 << 16  # the fake's mask slot addresses
+
+
 class FakeMegakernel:
     """Megakernel's interface in torch on the CPU. Like the kernel: a launch holds 1..MAX_BATCH rows, feeds
     io[b] (the tokens given, else what io holds: the last launch's samples) and writes its samples there; a
-    failure sets the sticky status (io[8:12]: code, detail, detail) and later launches compute nothing."""
+    failure sets the sticky status (io[8:12]: code, detail, detail) and later launches compute nothing. A launch
+    with a row that points at a mask slot samples once the host released that slot for the launch's step (as
+    SAMPLE waits for it); until then it is pending, and it and the launches after it (one stream) write their
+    tokens and logits, and fill what `collect` asked for, when it completes."""
 
     def __init__(self, prefiller: TorchBackend, fail_at: int | None = None, draw_salt: int = 0) -> None:
         self.backend, self.fail_at = prefiller, fail_at  # fail_at: the launch that reports a hang
@@ -45,8 +54,26 @@ class FakeMegakernel:
         self.io = torch.zeros(MAX_BATCH + 4, dtype=torch.int32)
         self.logits = torch.zeros(MAX_BATCH, prefiller.config.vocab_size)
         self.launches: list[tuple[list[int], bool]] = []  # (block-table rows, fed from io) per launch
+        self.rows: list[list[RowSpec]] = []  # the rows of each launch
         self.schedules: set[tuple[int, int]] = set()
         self.num_blocks = 132  # an H100/H200's SMs: what the task lists are built for
+        self.slots: dict[int, tuple[int, torch.Tensor | None, int]] = {}  # slot -> (step, bits or None, trigger)
+        self.pending: list[dict] = []  # launches waiting for a mask slot (and those after them), in launch order
+        self.late_releases = 0  # slots released while a launch that reads them was pending
+
+    def mask_address(self, slot: int) -> int:
+        return SLOT_BASE + slot * SLOT_BYTES
+
+    def release_mask(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int) -> None:
+        self.late_releases += any(r.mask == self.mask_address(slot) for launch in self.pending for r in launch["rows"])
+        self.slots[slot] = (seq, None if bits is None else bits.clone(), trigger)
+        self._complete()
+
+    def collect(self, tokens: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+        launch = self._last
+        launch["out"].append((tokens, logits))
+        if launch["done"]:
+            self._copy_out(launch)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -58,28 +85,56 @@ class FakeMegakernel:
     def step(self, rows: list[RowSpec], tokens: torch.Tensor | None = None) -> None:
         n, vocab = len(rows), self.logits.shape[1]
         assert 1 <= n <= MAX_BATCH, n
+        assert tokens is not None or not self.pending, "fed from the io buffer while the launch before it waits"
         if tokens is not None:
             self.tokens[:n].copy_(tokens.to(torch.int32))
         self.launches.append(([r.seq for r in rows], tokens is None))
+        self.rows.append(list(rows))
         inputs = self.tokens[:n].tolist()
         if len(self.launches) - 1 == self.fail_at:
             self._report(1, 7, 9)
         for b, token in enumerate(inputs):
             if not 0 <= token < vocab:
                 self._report(4, b, token)
-        if self.io[MAX_BATCH] != 0:  # an aborted step skips its work
-            return
-        positions = torch.tensor([r.position for r in rows])
-        pages = -(-(max(r.position for r in rows) + 1) // PAGE_SIZE)
-        logits = self.backend.decode_step(torch.tensor(inputs), positions, torch.tensor([r.seq for r in rows]), pages)
-        sampling = BatchSamplingArgs.prepare(
-            [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p) for r in rows],
-            [r.seed + self.draw_salt for r in rows], [r.step for r in rows])
-        for b, r in enumerate(rows):  # as the kernel's LM_HEAD: a constrained row's forbidden logits at -inf
-            if r.mask is not None and r.trigger in (ALWAYS, inputs[b]):
-                logits[b] = apply_token_masks(logits[b:b + 1], TokenMasks((0,), r.mask[None], (ALWAYS,)))[0]
-        self.logits[:n] = logits
-        self.tokens[:n] = sample_on_device(logits, sampling).to(torch.int32)
+        self._last = launch = dict(rows=list(rows), inputs=inputs, logits=None, done=False, out=[])
+        if self.io[MAX_BATCH] == 0:  # an aborted step skips its work
+            positions = torch.tensor([r.position for r in rows])
+            pages = -(-(max(r.position for r in rows) + 1) // PAGE_SIZE)
+            launch["logits"] = self.backend.decode_step(torch.tensor(inputs), positions,
+                                                        torch.tensor([r.seq for r in rows]), pages)
+        self.pending.append(launch)
+        self._complete()
+
+    def _complete(self) -> None:
+        """Sample the pending launches, in order, whose masked rows' slots are released for their step."""
+        while self.pending and all(self._released(r) for r in self.pending[0]["rows"] if r.mask):
+            self._sample(self.pending.pop(0))
+
+    def _released(self, row: RowSpec) -> bool:
+        slot = self.slots.get((row.mask - SLOT_BASE) // SLOT_BYTES)
+        return slot is not None and slot[0] == row.mask_seq
+
+    def _sample(self, launch: dict) -> None:
+        rows, inputs, logits, n = launch["rows"], launch["inputs"], launch["logits"], len(launch["rows"])
+        if logits is not None:
+            for b, r in enumerate(rows):  # as the kernel's SAMPLE: a constrained row's forbidden logits at -inf
+                _, bits, trigger = self.slots[(r.mask - SLOT_BASE) // SLOT_BYTES] if r.mask else (0, None, ALWAYS)
+                if bits is not None and trigger in (ALWAYS, inputs[b]):
+                    logits[b] = apply_token_masks(logits[b:b + 1], TokenMasks((0,), bits[None], (ALWAYS,)))[0]
+            sampling = BatchSamplingArgs.prepare(
+                [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p) for r in rows],
+                [r.seed + self.draw_salt for r in rows], [r.step for r in rows])
+            self.logits[:n] = logits
+            self.tokens[:n] = sample_on_device(logits, sampling).to(torch.int32)
+        launch["tokens"], launch["logits"], launch["done"] = self.tokens[:n].clone(), self.logits[:n].clone(), True
+        self._copy_out(launch)
+
+    def _copy_out(self, launch: dict) -> None:
+        for tokens, logits in launch["out"]:
+            tokens.copy_(launch["tokens"][:tokens.shape[0]])
+            if logits is not None:
+                logits.copy_(launch["logits"][:logits.shape[0]])
+        launch["out"] = []
 
     def _report(self, code: int, a: int, b: int) -> None:
         if self.io[MAX_BATCH] == 0:
@@ -233,6 +288,106 @@ def test_launch_refuses_what_it_cannot_run(tiny):
     for b in range(1, MAX_BATCH + 1):
         built = {attention_splits(config, b, 132, c) for batch, c in backend.kernel.schedules if batch == b}
         assert built == {attention_splits(config, b, 132, c) for c in range(longest + 1)}
+
+
+# --- late token masks ---
+
+CONSTRAINED = {0: ALWAYS, 3: "fed", 9: None}  # row -> its mask's trigger: always, armed with the token it feeds, none
+
+
+def constrained_batch(kv, prompts, sampling, order=tuple(range(ROWS)), masks_of=None):
+    """A host-fed step of `order` whose rows in CONSTRAINED have a grammar (so a mask slot) and get masks_of's
+    masks; every other row is free."""
+    rows = []
+    for r in order:
+        row = sampling(r, [])
+        params = dataclasses.replace(row.params, grammar=GrammarSpec("start: /[a-z]+/")) if r in CONSTRAINED \
+            else row.params
+        rows.append(dataclasses.replace(row, params=params))
+    batch = launch_batch(kv, list(order), [prompts[r][-1] for r in order], [len(prompts[r]) - 1 for r in order], rows)
+    batch.token_masks = masks_of
+    return batch
+
+
+def step_masks(config, prompts) -> TokenMasks:
+    """Random masks of rows 0 and 3 (token 0 always allowed); row 3's armed with the token it feeds."""
+    gen = torch.Generator().manual_seed(5)
+    words = torch.randint(-2**31, 2**31 - 1, (2, -(-config.vocab_size // 32)), generator=gen, dtype=torch.int32)
+    words[:, 0] |= 1
+    return TokenMasks((0, 3), words, (ALWAYS, prompts[3][-1]))
+
+
+def test_a_mask_is_asked_for_after_the_step_is_launched_and_the_kernel_samples_with_it(tiny):
+    config, weights = tiny
+    prompts, sampling = setup_rows(config)
+    masks = step_masks(config, prompts)
+    torch_backend = TorchBackend(config, weights, NUM_PAGES, PAGE_SIZE, ROWS, MAX_PAGES)
+    kv = prefilled(torch_backend, config, prompts)
+    expected = torch_backend.decode(constrained_batch(kv, prompts, sampling, masks_of=lambda: masks)).token_ids
+    backend = fake_backend(config, weights)
+    kernel, asked = backend.kernel, []
+
+    def late_masks():  # both launches of the step are enqueued, and wait for their rows' slots
+        asked.append((len(kernel.launches), len(kernel.pending)))
+        return masks
+
+    kv = prefilled(backend, config, prompts)
+    got = backend.launch_decode(constrained_batch(kv, prompts, sampling, masks_of=late_masks), [-1] * ROWS)
+    assert asked == [(2, 2)] and got.result().token_ids == expected
+    rows = kernel.rows[-2] + kernel.rows[-1]
+    assert [b for b, r in enumerate(rows) if r.mask] == sorted(CONSTRAINED) and kernel.late_releases == 3
+    assert {r.mask_seq for r in rows if r.mask} == {1} and all(r.mask_seq == -1 for r in rows if not r.mask)
+    assert kernel.slots[ROWS + 9][1] is None  # step 1 takes the second turn; row 9: constrained, no mask this step
+    allowed = allowed_tokens(masks.bits, config.vocab_size)
+    assert allowed[0, expected[0]] and allowed[1, expected[3]]
+
+
+def test_consecutive_steps_take_turns_of_mask_slots_with_their_own_numbers(tiny):
+    config, weights = tiny
+    prompts, sampling = setup_rows(config)
+    backend = fake_backend(config, weights)
+    kv = prefilled(backend, config, prompts)
+    masks = TokenMasks((0,), step_masks(config, prompts).bits[:1], (ALWAYS,))
+    for _ in range(3):
+        backend.decode(constrained_batch(kv, prompts, sampling, order=(0, 1), masks_of=lambda: masks))
+    slots = [(rows[0].mask, rows[0].mask_seq) for rows in backend.kernel.rows]
+    turn = [(SLOT_BASE + SLOT_BYTES * (ROWS * t), seq) for seq, t in ((1, 1), (2, 0), (3, 1))]
+    assert slots == turn and backend.kernel.pending == []
+
+
+def test_masks_that_raise_release_every_slot_unconstrained_and_the_error_goes_on(tiny):
+    config, weights = tiny
+    prompts, sampling = setup_rows(config)
+    backend = fake_backend(config, weights)
+    kv = prefilled(backend, config, prompts)
+
+    def broken():
+        raise ValueError("the grammar broke")
+
+    with pytest.raises(ValueError, match="the grammar broke"):
+        backend.launch_decode(constrained_batch(kv, prompts, sampling, masks_of=broken), [-1] * ROWS)
+    assert backend.kernel.pending == []  # the launches finished: nothing waits for its timeout
+    assert {slot: (seq, bits) for slot, (seq, bits, _) in backend.kernel.slots.items()} == \
+        {ROWS + b: (1, None) for b in CONSTRAINED}
+
+
+def test_a_launch_that_raises_releases_the_slots_of_the_launches_before_it_without_asking(tiny, monkeypatch):
+    config, weights = tiny
+    prompts, sampling = setup_rows(config)
+    backend = fake_backend(config, weights)
+    kv = prefilled(backend, config, prompts)
+    kernel, own = backend.kernel, backend.kernel.step
+
+    def second_fails(rows, tokens=None):
+        if len(kernel.launches) == 1:
+            raise ValueError("megakernel: row position = 2147483648: must be in [0, 2^31)")
+        own(rows, tokens)
+
+    monkeypatch.setattr(kernel, "step", second_fails)
+    with pytest.raises(ValueError, match="row position"):
+        backend.launch_decode(constrained_batch(kv, prompts, sampling, masks_of=lambda: pytest.fail("asked")),
+                              [-1] * ROWS)
+    assert len(kernel.launches) == 1 and kernel.pending == [] and kernel.slots[ROWS][1] is None
 
 
 # --- the Engine over it ---
@@ -398,7 +553,9 @@ def test_constrained_rows_are_masked_by_the_kernel_as_by_the_torch_backend(engin
     dormant = (trigger_prompt, SamplingParams(max_tokens=40, temperature=0.0,
                                               grammar=GrammarSpec(f"start: <[{trigger}]> {body}", trigger)))
     requests = constrained + [dormant] + free[6:]
+    late, pipelined = fake.backend.kernel.late_releases, fake._pipelined()
     got = run(fake, requests)
+    assert pipelined and fake.backend.kernel.late_releases > late  # masks written while their steps waited
     assert [outcome(o) for o in got] == [outcome(o) for o in run(reference, requests)]
     tokenizer = fake.tokenizer
     for outputs in got[:5]:

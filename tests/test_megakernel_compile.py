@@ -67,7 +67,8 @@ def check_abi(library, config) -> None:
     import ctypes
     import struct
 
-    from northcode.megakernel.kernel import ABI_VERSION, GEOMETRY_FIELDS, ROW_FORMAT, TASK_WORDS, Params, geometry
+    from northcode.megakernel.kernel import (ABI_VERSION, GEOMETRY_FIELDS, ROW_FORMAT, SLOT_HEADER_WORDS, TASK_WORDS,
+                                             Params, geometry, mask_words)
 
     try:
         lib = ctypes.CDLL(str(library))
@@ -76,6 +77,7 @@ def check_abi(library, config) -> None:
     assert lib.nc_abi_version() == ABI_VERSION
     assert lib.nc_params_size() == ctypes.sizeof(Params)
     assert lib.nc_task_size() == TASK_WORDS * 4 and lib.nc_row_size() == struct.calcsize(ROW_FORMAT)
+    assert lib.nc_mask_slot_size() == 4 * (SLOT_HEADER_WORDS + mask_words(config.vocab_size))  # MaskSlots' layout
     built = (ctypes.c_int * len(GEOMETRY_FIELDS))()
     assert lib.nc_geometry(built, len(GEOMETRY_FIELDS)) == len(GEOMETRY_FIELDS)
     assert list(built) == list(geometry(config).values())

@@ -16,14 +16,15 @@
 //   Geometry is compile-time (-DNC_HIDDEN=... from megakernel.py): every per-layer shape; the depth
 //   is not (the task lists carry the layers), so one build serves a model and its shallow test copies.
 //   Target sm_90a; no PyTorch headers. ABI: nc_* functions below; one Params struct by pointer;
-//   NC_ABI_VERSION.
+//   NC_ABI_VERSION. Token masks come late: a constrained row's SAMPLE waits for the host to release its
+//   MaskSlot in mapped host memory (section 14), so the host computes the mask while the step runs.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
-#define NC_ABI_VERSION 7
+#define NC_ABI_VERSION 8
 
 #if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
@@ -66,6 +67,7 @@ constexpr int kKvSize = kKvHeads * kHeadDim;
 constexpr int kPage = 64;                      // tokens per KV block (docs/architecture.md)
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kMaskWords = (kVocab + 127) / 128 * 4;  // a token mask: ceil(V / 32) words, padded to uint4s
 
 static_assert(kMaxBatch == 8, "the batch is the n8 operand of mma.m16n8k16");
 static_assert(kHidden % 32 == 0 && kQSize % 32 == 0 && kExpertWidth % 32 == 0 && kDenseWidth % 32 == 0,
@@ -95,7 +97,8 @@ enum TaskType : int {
 };
 
 // Status codes written to Params.status[0] (megakernel.py turns them into messages).
-enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4 };
+enum StatusCode : int { NC_OK = 0, NC_ERR_TIMEOUT = 1, NC_ERR_BAD_TASK = 2, NC_ERR_BAD_PAGE = 3, NC_ERR_BAD_TOKEN = 4,
+                        NC_ERR_MASK_TIMEOUT = 5 };
 
 // ====  2. ABI structs  =========================================================================
 struct Task {  // 16 int32, built by megakernel.py
@@ -108,6 +111,18 @@ struct Task {  // 16 int32, built by megakernel.py
 };
 static_assert(sizeof(Task) == 64, "Task is 16 int32");
 
+// A constrained row's token mask, in pinned host memory the device reads directly (megakernel.py MaskSlots). The
+// host may write it while the step runs: words and trigger first, then, after a store fence, ready = the row's
+// mask_seq (nc_release_mask). SAMPLE waits for that before it reads the rest (section 14).
+constexpr int kNoMask = -2;  // a trigger: the row is unconstrained this step (a dormant grammar, a failed host)
+struct MaskSlot {
+  unsigned ready;              // the sequence number of the step whose mask this is
+  int trigger;                 // -1: the mask applies; >= 0: only if the row fed this token; kNoMask: it does not
+  unsigned pad[2];
+  unsigned words[kMaskWords];  // bit v % 32 of word v / 32: token v allowed
+};
+static_assert(offsetof(MaskSlot, words) == 16, "MaskSlot layout");
+
 struct RowState {  // one batch row, uploaded by the host each step
   int position;        // position of this row's token (= tokens already cached for its sequence)
   int seq;             // block-table row of its sequence
@@ -117,8 +132,8 @@ struct RowState {  // one batch row, uploaded by the host each step
   float temperature;   // <= 0: greedy
   float top_p;         // 1: off
   float min_p;         // 0: off
-  int trigger;         // the mask applies only when the row fed this token this step; -1: whenever it is set
-  const unsigned* mask;  // null: unconstrained; else [ceil(V / 32)] words, bit v % 32 of word v / 32: token v allowed
+  int mask_seq;        // the value mask->ready takes once this step's mask is written; -1 without a slot
+  const MaskSlot* mask; // null: unconstrained; else the row's slot in mapped host memory
 };
 static_assert(sizeof(RowState) == 48, "RowState layout");
 
@@ -162,6 +177,7 @@ struct Params {
   bf16* moe_act;                         // [E, 8, I] silu(gate) * up per slot
   bf16* dense_act;                       // [8, I_dense]
   float* logits;                         // [8, V] fp32 after logit_scale
+  float* noisy;                          // [8, V] logit / T + Gumbel of the rows with a mask slot (sampled, unfiltered)
   float* lm_partial;                     // [lm tasks, 8, 4]: greedy max, idx, gumbel max, idx
   int* expert_counts;                    // [layers] distinct experts routed this step (for byte counts)
   int* routed;                           // [layers, 8, top_k] experts each row chose (tests check them)
@@ -215,6 +231,19 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
   return v;
+}
+// Loads of mapped host memory the host writes during the step: at system scope, so that no cache line of an
+// earlier step's value is taken (L2 may hold system-memory lines).
+__device__ __forceinline__ unsigned load_acquire_sys(const unsigned* ptr) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 load_relaxed_sys16(const void* ptr) {
+  uint4 r;
+  asm volatile("ld.relaxed.sys.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr) : "memory");
+  return r;
 }
 
 __device__ void report(const Params& p, int code, int a, int b) {
@@ -1412,16 +1441,15 @@ __device__ void task_dense_down(const Params& p, const Task& t, unsigned char* s
 //   32-row tiles of the (tied) LM head over the final-normed h: logits[b][v] = logit_scale * dot.
 //   Also keeps, per row, the task's best logit (greedy) and best logit/T + Gumbel noise (sampling
 //   without filters) in lm_partial, so SAMPLE needs no pass over the vocabulary on those paths.
-//   A constrained row (RowState.mask; its trigger, if any, is the token it fed: tokens[b], which
-//   SAMPLE overwrites only after every LM_HEAD task) has the logits its mask forbids at -inf, in
-//   logits and in the partials, so every sampling path and the host see the masked row.
+//   A row with a mask slot is masked by SAMPLE, whose mask may still be on its way: its sampled logits/T +
+//   Gumbel go to noisy as well, for SAMPLE's masked argmax.
 __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem) {
   GemmSmem& s = *reinterpret_cast<GemmSmem*>(smem);
   const int i = threadIdx.x, n = i >> 7, r = (i >> 3) & 15, b = i & 7;
   const bool live = b < p.batch_size;
   RowState rs{};
   if (live) rs = p.rows[b];
-  const unsigned* mask = live && rs.mask && (rs.trigger < 0 || p.tokens[b] == rs.trigger) ? rs.mask : nullptr;
+  float* noisy_row = live && rs.mask && rs.temperature > 0.f ? p.noisy + (size_t)b * kVocab : nullptr;
   ArgMax greedy{-INFINITY, 1 << 30}, noisy{-INFINITY, 1 << 30};
   for (int tile = t.arg[0]; tile < t.arg[0] + t.arg[1]; ++tile) {
     const int row0 = tile * 32;
@@ -1431,12 +1459,14 @@ __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem
     mma_tiles<2>(tiles, valid, kHidden, p.h, kHidden, p.batch_size, s.red, s.out);
     const int v = row0 + n * 16 + r;
     if (live && v < kVocab) {
-      const bool banned = mask && !((__ldg(mask + (v >> 5)) >> (v & 31)) & 1u);
-      const float logit = banned ? -INFINITY : s.out[i] * p.logit_scale;
+      const float logit = s.out[i] * p.logit_scale;
       p.logits[(size_t)b * kVocab + v] = logit;
       greedy = better(greedy, ArgMax{logit, v});
-      if (rs.temperature > 0.f)
-        noisy = better(noisy, ArgMax{logit / rs.temperature + gumbel_noise(rs.seed, rs.step, v), v});
+      if (rs.temperature > 0.f) {
+        const float z = logit / rs.temperature + gumbel_noise(rs.seed, rs.step, v);
+        noisy = better(noisy, ArgMax{z, v});
+        if (noisy_row) noisy_row[v] = z;
+      }
     }
   }
   for (int pass = 0; pass < 2; ++pass) {  // reduce the 32 threads of each row b, greedy then noisy
@@ -1461,6 +1491,12 @@ __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem
 //   radix selection over the row's logits (top-k: k-th largest; min-p: max + T ln(min_p); top-p:
 //   smallest prefix of the sorted kept tokens whose probability reaches p), then draws
 //   argmax(logit/T + Gumbel) over the logits >= tau: an exact sample of the filtered softmax.
+//   A row with a mask slot first waits for the host to release it for this step (thread 0 spins as
+//   wait_counter does: the step's timeout, then status MASK_TIMEOUT) and copies the mask into shared
+//   memory. Where it applies (trigger -1, or the token the row fed: tokens[b], written only at this task's
+//   end) one pass sets the forbidden logits to -inf (the host and the filters see the masked row) and,
+//   unfiltered, takes the argmax of the allowed logits (greedy) or of LM_HEAD's noisy copy (sampled): the
+//   token masked partials would give. Elsewhere the row samples as an unconstrained one.
 struct SampleSmem {
   float hist_mass[256];
   unsigned hist_count[256];
@@ -1468,6 +1504,8 @@ struct SampleSmem {
   ArgMax best[kWarps];
   unsigned chosen;
   float remaining;
+  int mask_on;                   // the row's mask applies this step
+  uint4 mask[kMaskWords / 4];    // its words, copied from the slot
 };
 
 __device__ __forceinline__ unsigned order_key(float f) {  // monotonic float -> uint32
@@ -1518,13 +1556,73 @@ __device__ unsigned radix_select(const float* row, float inv_t, float max_scaled
   return prefix;
 }
 
+// Waits until the host released row b's slot for this step (or the step failed), then copies the mask into
+// shared memory; true when it applies. Every thread acquires the slot itself before it reads the words.
+__device__ bool fetch_mask(const Params& p, const RowState& rs, int b, SampleSmem& s) {
+  if (threadIdx.x == 0) {
+    const long long start = global_ns();
+    int on = 0;
+    for (;;) {
+      if (load_acquire_sys(&rs.mask->ready) == (unsigned)rs.mask_seq) {
+        const int trigger = (int)load_acquire_sys(reinterpret_cast<const unsigned*>(&rs.mask->trigger));
+        on = trigger == -1 || (trigger >= 0 && trigger == p.tokens[b]);
+        break;
+      }
+      if (*(volatile int*)p.status != 0) break;
+      if (global_ns() - start > p.timeout_ns) { report(p, NC_ERR_MASK_TIMEOUT, b, rs.mask_seq); break; }
+      __nanosleep(128);
+    }
+    s.mask_on = on;
+  }
+  __syncthreads();
+  if (!s.mask_on) return false;
+  load_acquire_sys(&rs.mask->ready);  // released already: it orders this thread's loads below after the host's writes
+  constexpr int kVecs = kMaskWords / 4, kPerThread = (kVecs + kThreads - 1) / kThreads;
+  uint4 words[kPerThread];  // every load in flight before the first store: one round trip to host memory
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int w = threadIdx.x + j * kThreads;
+    if (w < kVecs) words[j] = load_relaxed_sys16(rs.mask->words + 4 * w);
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int w = threadIdx.x + j * kThreads;
+    if (w < kVecs) s.mask[w] = words[j];
+  }
+  __syncthreads();
+  return true;
+}
+
+// A masked row's pass: forbidden logits to -inf; unfiltered, this thread's best allowed logit (greedy) or noisy.
+__device__ ArgMax mask_row(const Params& p, int b, bool greedy, bool filtered, const SampleSmem& s) {
+  float* row = p.logits + (size_t)b * kVocab;
+  const float* noisy = p.noisy + (size_t)b * kVocab;
+  const unsigned* words = reinterpret_cast<const unsigned*>(s.mask);
+  ArgMax best{-INFINITY, 1 << 30};
+#pragma unroll 8
+  for (int v = threadIdx.x; v < kVocab; v += kThreads) {
+    const bool allowed = (words[v >> 5] >> (v & 31)) & 1u;
+    if (!allowed) row[v] = -INFINITY;
+    if (!filtered) best = better(best, ArgMax{allowed ? __ldcg(greedy ? row + v : noisy + v) : -INFINITY, v});
+  }
+  return best;
+}
+
 __device__ void task_sample(const Params& p, const Task& t, unsigned char* smem) {
   SampleSmem& s = *reinterpret_cast<SampleSmem*>(smem);
   const int b = t.arg[0], num_lm = t.arg[1];
   const RowState rs = p.rows[b];
   const bool greedy = rs.temperature <= 0.f;
   const bool filtered = !greedy && (rs.top_k > 0 || rs.top_p < 1.f || rs.min_p > 0.f);
-  if (!filtered) {  // reduce the LM head's partials
+  if (rs.mask != nullptr && fetch_mask(p, rs, b, s)) {
+    const ArgMax mine = mask_row(p, b, greedy, filtered, s);
+    if (!filtered) {
+      const ArgMax best = block_argmax(mine, s.best);
+      if (threadIdx.x == 0) p.tokens[b] = best.index;
+      return;
+    }
+    __syncthreads();  // every -inf written before the filters read the row
+  } else if (!filtered) {  // reduce the LM head's partials
     ArgMax best{-INFINITY, 1 << 30};
     for (int j = threadIdx.x; j < num_lm; j += kThreads) {
       const float* part = p.lm_partial + ((size_t)j * kMaxBatch + b) * 4 + (greedy ? 0 : 2);
@@ -1679,6 +1777,8 @@ extern "C" int nc_abi_version(void) { return NC_ABI_VERSION; }
 extern "C" int nc_params_size(void) { return (int)sizeof(Params); }
 extern "C" int nc_task_size(void) { return (int)sizeof(Task); }
 extern "C" int nc_row_size(void) { return (int)sizeof(RowState); }
+// sizeof(MaskSlot): megakernel.py lays its slots out with it.
+extern "C" int nc_mask_slot_size(void) { return (int)sizeof(MaskSlot); }
 // Writes the compile-time geometry into out[0..n) (order: megakernel.py GEOMETRY_FIELDS); returns the count.
 extern "C" int nc_geometry(int* out, int n) {
   const int g[] = {kHidden, kHeads, kKvHeads, kHeadDim, kVocab, kExperts, kTopK, kExpertWidth,
@@ -1701,6 +1801,21 @@ static int init_kernel(const void* kernel, int bytes, const char* name) {
     snprintf(g_last_error, sizeof(g_last_error), "the %s kernel cannot be resident (0 blocks per SM)", name);
     return -1;
   }
+  return 0;
+}
+
+// The device address of pinned host memory at `host` (what a RowState's mask points to); 0 ok, -1 error (memory
+// that is not pinned, or not mapped).
+extern "C" int nc_host_device_pointer(void* host, void** device) {
+  cudaError_t err = cudaHostGetDevicePointer(device, host, 0);
+  return err == cudaSuccess ? 0 : fail("cudaHostGetDevicePointer(mask slots)", err);
+}
+
+// Releases a mask slot the host has written: a full fence (the words and the trigger are visible before it),
+// then slot->ready = seq, which the step's SAMPLE waits for. Always 0.
+extern "C" int nc_release_mask(MaskSlot* slot, unsigned seq) {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  __atomic_store_n(&slot->ready, seq, __ATOMIC_RELEASE);
   return 0;
 }
 

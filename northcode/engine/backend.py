@@ -21,8 +21,9 @@ Protocol (the engine calls these from its step thread, never concurrently):
      penalty), from which the engine's Sampler samples the other rows (penalties, logprobs). With
      `batch.token_masks` (constrained rows, engine/grammar.py) the backend calls `batch.masks()` once, after it
      has enqueued the model step and before it samples (the host computes the masks while the device runs
-     the step), and applies them (sampling.apply_token_masks) to every row it samples and to the logits it
-     returns.
+     the step; the megakernel enqueues its sampling too, which waits on the device for them), and applies
+     them (sampling.apply_token_masks) to every row it samples and to the logits it returns. Only a row whose
+     SamplingParams.grammar is set gets a mask (the megakernel points just those at a mask slot).
   3. `launch_decode(batch, carry) -> PendingDecode` (the pipelined step, pipeline.py): enqueue one decode
      step and return without waiting. carry[b] >= 0: row b feeds the token that row carry[b] of the previous
      launch sampled, read from device memory (batch.token_ids[b] is then -1); -1: batch.token_ids[b].

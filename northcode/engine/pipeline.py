@@ -15,7 +15,8 @@ request that needs the host's history arrives, the engine reads the pending step
 unpipelined until that request is gone. A constrained row (engine/grammar.py) is device-sampled too, but its
 mask for step n+1 needs its token of step n: the launch of n+1 enqueues the model step first, then reads step
 n (the `token_masks` it hands the backend), computes the masks while the device runs n+1, and enqueues the
-sampling. `DecodePipeline` holds the step in flight; the engine owns one.
+sampling (the megakernel's sampling is enqueued with its step and waits on the device for the masks).
+`DecodePipeline` holds the step in flight; the engine owns one.
 """
 
 from __future__ import annotations

@@ -10,10 +10,13 @@ kernel's sticky status words. `launch_decode` feeds carried rows from the previo
 on the device), or leaves them in the io buffer when rows 0..B-1 of a one-launch step go on in place; the
 tensor goes to pinned memory without a wait, and `result()` waits on an event, then raises on a failed status.
 `decode` is the same launches fed from the host (plus logits for the engine's Sampler), then the same wait.
-Constrained rows: the kernel samples inside its step, so a step's token masks are asked for before its
-launches (a row whose grammar is active then waits for the previous step's tokens: no overlap there) and
-go up as device words each row's RowState points to; the kernel masks that row's logits (armed masks
-included: it compares the token the row fed with the trigger), so the logits returned are masked too.
+Constrained rows (a request with a grammar) point at a mask slot in mapped host memory (kernel.MaskSlots):
+the step is launched first, then its token masks are asked for (`batch.masks()`: in the pipelined step that
+reads the previous step's tokens, then llguidance computes the masks while the device runs this one) and
+each slot is written and released; the kernel's SAMPLE of such a row waits for its slot (armed masks
+included: it compares the token the row fed with the trigger), so the logits returned are masked too. A
+failure on the host still releases every slot, unconstrained, so the step never waits for its timeout.
+Slots go in two turns of max_batch: a step's slots are rewritten two steps later, once that step is done.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from northcode.config import ModelConfig
 from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch, check_launch
 from northcode.engine.device import PendingTokens, carried_tokens, to_device
-from northcode.engine.sampling import ALWAYS
+from northcode.engine.sampling import ALWAYS, TokenMasks
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status
 from northcode.megakernel.support import gpu_blocker, model_blocker
 from northcode.megakernel.tasks import split_contexts
@@ -47,16 +50,23 @@ def unavailable_reason(config: ModelConfig, page_size: int, needs_hopper: bool =
     return reason
 
 
-def row_spec(batch: DecodeBatch, b: int, mask: torch.Tensor | None = None, trigger: int = ALWAYS) -> RowSpec:
-    """The kernel's row state of batch row b: its position and block-table row, how to sample it, and its token
-    mask (device int32 words; trigger: sampling.TokenMasks.triggers)."""
+def row_spec(batch: DecodeBatch, b: int, mask: int = 0, mask_seq: int = -1) -> RowSpec:
+    """The kernel's row state of batch row b: its position and block-table row, how to sample it, and its mask
+    slot (a device address, 0: none) with the step's number that slot is released as."""
     if not batch.sample:
-        return RowSpec(position=batch.positions[b], seq=batch.rows[b], mask=mask, trigger=trigger)
+        return RowSpec(position=batch.positions[b], seq=batch.rows[b], mask=mask, mask_seq=mask_seq)
     args = batch.sampling
     params = args.params[b]
     return RowSpec(position=batch.positions[b], seq=batch.rows[b], step=args.draws[b], seed=args.seeds[b],
                    temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
-                   top_p=params.top_p, min_p=params.min_p, mask=mask, trigger=trigger)
+                   top_p=params.top_p, min_p=params.min_p, mask=mask, mask_seq=mask_seq)
+
+
+def constrained_rows(batch: DecodeBatch) -> list[int]:
+    """The rows that may get a token mask this step: their request has a grammar (active or dormant)."""
+    if batch.token_masks is None:
+        return []
+    return [b for b, params in enumerate(batch.sampling.params) if params.grammar is not None]
 
 
 @dataclass(slots=True)
@@ -103,8 +113,10 @@ class MegakernelBackend:
         launches = -(-max_batch // MAX_BATCH)  # per step; two steps may be queued (the pipeline)
         self.kernel = (kernel_factory(self.prefiller) if kernel_factory is not None
                        else Megakernel(config, weights, self.k_pool, self.v_pool, self.tables.tables,
-                                       row_buffers=max(8, 2 * launches)))
+                                       row_buffers=max(8, 2 * launches), mask_slots=2 * max_batch))
         self._carried: _Carried | None = None  # the last launch_decode's tokens
+        self._num_steps = 0  # steps launched: the next one's number is what its mask slots are released as
+        self._turn_done: list[torch.cuda.Event | None] = [None, None]  # the last step that used each turn's slots
 
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         return self.prefiller.prefill(batch)
@@ -159,20 +171,54 @@ class MegakernelBackend:
         step of both decode and launch_decode: where tests inject hangs and failures."""
         num_rows, kernel = len(batch.rows), self.kernel
         assert num_rows > 0 and (inputs is not None or num_rows <= MAX_BATCH), "nothing to feed the launch"
-        masks = batch.masks()  # before the launch: the kernel samples inside its step
-        words = to_device(masks.bits, self.device) if masks is not None else None  # [N, ceil(V / 32)]
-        slots = {b: k for k, b in enumerate(masks.rows)} if masks is not None else {}
-        specs = [row_spec(batch, b, words[slots[b]], masks.triggers[slots[b]]) if b in slots else row_spec(batch, b)
+        slots, seq = self._mask_slots(batch)
+        specs = [row_spec(batch, b, kernel.mask_address(slots[b]), seq) if b in slots else row_spec(batch, b)
                  for b in range(num_rows)]
         self.tables.upload(batch.block_tables, batch.tables_version, batch.tables_columns)
         status = kernel.io[MAX_BATCH:]
         out = torch.empty(num_rows + status.numel(), dtype=torch.int32, device=self.device)
-        logits = []
-        for start in range(0, num_rows, MAX_BATCH):
-            end = min(num_rows, start + MAX_BATCH)
-            kernel.step(specs[start:end], None if inputs is None else inputs[start:end])
-            out[start:end].copy_(kernel.tokens[:end - start])  # the next launch overwrites the io buffer
-            if want_logits:
-                logits.append(kernel.logits[:end - start].clone())
-        out[num_rows:].copy_(status)
-        return out, torch.cat(logits) if want_logits else None
+        logits = torch.empty(num_rows, self.config.vocab_size, device=self.device) if want_logits else None
+        chunks = [(start, min(num_rows, start + MAX_BATCH)) for start in range(0, num_rows, MAX_BATCH)]
+        for start, end in chunks:  # built before the first launch: nothing below may wait for the device
+            kernel.schedule(end - start, max(r.position for r in specs[start:end]))
+        launched = False
+        try:
+            for start, end in chunks:
+                kernel.step(specs[start:end], None if inputs is None else inputs[start:end])
+                kernel.collect(out[start:end], None if logits is None else logits[start:end])  # before the next launch
+            out[num_rows:].copy_(status)
+            launched = True
+        finally:  # a launch that raised leaves the ones before it to finish, unconstrained
+            if slots:
+                self._release_masks(batch.masks if launched else None, slots, seq)
+        return out, logits
+
+    def _mask_slots(self, batch: DecodeBatch) -> tuple[dict[int, int], int]:
+        """{row: its mask slot} for the rows that may be constrained, and the step's number (what the slots are
+        released as). The slots are the turn the step two back used: waited for here, before any launch (done
+        already when the engine has read that step, as it has by now)."""
+        self._num_steps += 1
+        rows = constrained_rows(batch)
+        turn = self._num_steps % 2
+        if rows and self._turn_done[turn] is not None:
+            self._turn_done[turn].synchronize()
+        return {b: turn * self.max_batch + b for b in rows}, self._num_steps % 2**31
+
+    def _release_masks(self, masks_of: Callable[[], TokenMasks | None] | None, slots: dict[int, int],
+                       seq: int) -> None:
+        """After the step's launches: ask for its masks (batch.masks: they may wait for the previous step's tokens)
+        and release every slot of the step, with its mask or unconstrained (no mask for the row; no masks_of; or
+        masks_of raised, and the error goes on once every slot is released)."""
+        if self.device.type == "cuda":  # the slots of this turn are free again once the step is done
+            self._turn_done[self._num_steps % 2] = torch.cuda.Event()
+            self._turn_done[self._num_steps % 2].record()
+        masks: TokenMasks | None = None
+        try:
+            masks = masks_of() if masks_of is not None else None
+        finally:
+            given = {} if masks is None else {b: k for k, b in enumerate(masks.rows)}
+            for b, slot in slots.items():
+                k = given.get(b)
+                self.kernel.release_mask(slot, seq, None if k is None else masks.bits[k],
+                                         ALWAYS if k is None else masks.triggers[k])
+        assert masks is None or set(masks.rows) <= set(slots), "a mask for a row whose request has no grammar"

@@ -2,9 +2,10 @@
 
 `build_library(config)` compiles the .cu for the checkpoint's geometry (compile-time constants) into a
 cache under paths.data_dir()/kernels keyed by a hash of source, geometry, nvcc flags and nvcc version;
-`Megakernel` owns the library, the scratch buffers and the per-(batch, splits) task lists
-(tasks.py builds them), and launches one step per call on the current stream without
-waiting for it; backend.py's `MegakernelBackend` is the engine's decode backend over it.
+`Megakernel` owns the library, the scratch buffers, the per-(batch, splits) task lists
+(tasks.py builds them) and the mask slots (`MaskSlots`: pinned host memory a constrained row's SAMPLE
+waits on, so a mask can be written while its step runs), and launches one step per call on the current
+stream without waiting for it; backend.py's `MegakernelBackend` is the engine's decode backend over it.
 Sampling happens on the device; this file never schedules requests and holds no engine state.
 """
 
@@ -33,7 +34,7 @@ __all__ = ["Megakernel", "RowSpec", "Schedule", "TaskType", "attention_splits", 
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
            "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS"]
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "megakernel.cu"
 NVCC_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
@@ -42,7 +43,8 @@ GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VO
 MAX_BATCH = 8
 STATUS_MESSAGES = {1: "a dependency wait timed out (counter {0}, target {1}): the step hung",
                    2: "task {0} has an unknown type {1}", 3: "layer {0}, row {1}: a needed KV page is unmapped",
-                   4: "row {0}: token id {1} is outside the vocabulary"}
+                   4: "row {0}: token id {1} is outside the vocabulary",
+                   5: "row {0}: its token mask (step {1}) was not released by the host in time: the step hung"}
 
 
 def raise_for_status(status: list[int], kernel) -> None:
@@ -116,7 +118,7 @@ def build_library(config: ModelConfig, cache_dir: Path | None = None) -> Path:
 
 _U64, _I32, _F32, _I64 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_int64
 SCRATCH_FIELDS = ("x", "h", "q", "attn_partial", "attn_ml", "attn_out", "router_logits", "moe_slots",
-                  "slot_weight", "moe_act", "dense_act", "logits", "lm_partial", "expert_counts", "routed")
+                  "slot_weight", "moe_act", "dense_act", "logits", "noisy", "lm_partial", "expert_counts", "routed")
 # Params fields after the scratch pointers: profile (0 = off), then the scalars
 
 
@@ -131,7 +133,9 @@ class Params(ctypes.Structure):
                 ("trace_router", _U64)]
 
 
-ROW_FORMAT = "<iiiiQfffiQ"  # RowState: position, seq, step, top_k, seed, temperature, top_p, min_p, trigger, mask
+ROW_FORMAT = "<iiiiQfffiQ"  # RowState: position, seq, step, top_k, seed, temperature, top_p, min_p, mask_seq, mask
+NO_MASK = -2  # a MaskSlot's trigger: the row is unconstrained this step (kNoMask in the .cu)
+SLOT_HEADER_WORDS = 4  # MaskSlot: ready, trigger, 2 words of padding, then the mask words
 
 
 def load_library(path: Path, config: ModelConfig) -> ctypes.CDLL:
@@ -139,10 +143,13 @@ def load_library(path: Path, config: ModelConfig) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.nc_last_error.restype = ctypes.c_char_p
     lib.nc_decode_step.argtypes = [ctypes.POINTER(Params), ctypes.c_void_p]
+    lib.nc_host_device_pointer.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.nc_release_mask.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
     checks = [("ABI version", lib.nc_abi_version(), ABI_VERSION),
               ("sizeof(Params)", lib.nc_params_size(), ctypes.sizeof(Params)),
               ("sizeof(Task)", lib.nc_task_size(), TASK_WORDS * 4),
-              ("sizeof(RowState)", lib.nc_row_size(), struct.calcsize(ROW_FORMAT))]
+              ("sizeof(RowState)", lib.nc_row_size(), struct.calcsize(ROW_FORMAT)),
+              ("sizeof(MaskSlot)", lib.nc_mask_slot_size(), 4 * (SLOT_HEADER_WORDS + mask_words(config.vocab_size)))]
     built = (ctypes.c_int * len(GEOMETRY_FIELDS))()
     lib.nc_geometry(built, len(GEOMETRY_FIELDS))
     checks.append(("geometry", list(built), list(geometry(config).values())))
@@ -169,8 +176,8 @@ class RowSpec:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    mask: torch.Tensor | None = None  # device int32 [ceil(V / 32)]: the tokens it may sample (sampling.TokenMasks)
-    trigger: int = -1  # the mask applies only when the row feeds this token; -1: always
+    mask: int = 0  # device address of the row's mask slot (Megakernel.mask_address); 0: unconstrained
+    mask_seq: int = -1  # the step's number, which the slot's ready word takes when its mask is released; -1: no slot
 
     def pack(self, vocab_size: int) -> bytes:
         """The row's RowState (ROW_FORMAT), taking every value a validated request carries (issue 24): a top_k
@@ -180,14 +187,56 @@ class RowSpec:
         for name in ("position", "seq", "step"):
             if not 0 <= getattr(self, name) < 2**31:
                 raise ValueError(f"megakernel: row {name} = {getattr(self, name)}: must be in [0, 2^31)")
+        if self.mask and not 0 <= self.mask_seq < 2**31:
+            raise ValueError(f"megakernel: row mask_seq = {self.mask_seq}: must be in [0, 2^31) with a mask slot")
         for name in ("temperature", "top_p", "min_p"):
             if not abs(getattr(self, name)) <= 3.4028234663852886e38:  # NaN fails too
                 raise ValueError(f"megakernel: row {name} = {getattr(self, name)}: must be a finite fp32 number")
         top_k = self.top_k if 0 < self.top_k < vocab_size else 0
         temperature = 0.0 if is_greedy_temperature(self.temperature) else self.temperature
         return struct.pack(ROW_FORMAT, self.position, self.seq, self.step, top_k, self.seed & (2**64 - 1),
-                           temperature, self.top_p, self.min_p, self.trigger,
-                           0 if self.mask is None else self.mask.data_ptr())
+                           temperature, self.top_p, self.min_p, self.mask_seq if self.mask else -1, self.mask)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of a slot's mask: ceil(V / 32), padded to a multiple of 4 (the kernel reads uint4s)."""
+    return -(-vocab_size // 128) * 4
+
+
+class MaskSlots:
+    """Pinned host memory, mapped into the device's address space, that constrained rows read their token masks
+    from (MaskSlot in the .cu: ready, trigger, padding, the words; one per 128 bytes). `release` writes a slot
+    and then, after a fence, its ready word: the step whose rows point at it waits for that in SAMPLE, so the
+    host may write a mask after the launch, while the model part of the step runs. A slot is rewritten only
+    once the step that read it is done (the backend's turns)."""
+
+    def __init__(self, num_slots: int, vocab_size: int, lib: ctypes.CDLL) -> None:
+        self.num_words = -(-vocab_size // 32)
+        self.stride = -(-(SLOT_HEADER_WORDS + mask_words(vocab_size)) // 32) * 32  # int32 words, 128-byte aligned
+        self.host = torch.zeros(num_slots, self.stride, dtype=torch.int32).pin_memory()  # caching host allocator
+        self.host[:, 0] = -1  # ready: no step yet (steps count from 1)
+        self._lib = lib
+        device = ctypes.c_void_p()
+        if lib.nc_host_device_pointer(ctypes.c_void_p(self.host.data_ptr()), ctypes.byref(device)) != 0:
+            raise RuntimeError(f"megakernel: {lib.nc_last_error().decode()}")
+        self.base = device.value
+
+    def address(self, slot: int) -> int:
+        """The device address of `slot` (what a RowSpec's mask holds)."""
+        assert 0 <= slot < self.host.shape[0], f"mask slot {slot} of {self.host.shape[0]}"
+        return self.base + slot * self.stride * 4
+
+    def release(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int) -> None:
+        """Write the slot's mask (bits: int32 [ceil(V / 32)], or None: unconstrained this step) and its trigger
+        (sampling.ALWAYS or a token id), then release it as step `seq`."""
+        assert bits is None or bits.device.type == "cpu", "a mask from the device: its copy would wait for this step"
+        row = self.host[slot]
+        if bits is None:
+            row[1] = NO_MASK
+        else:
+            row[SLOT_HEADER_WORDS:SLOT_HEADER_WORDS + self.num_words].copy_(bits)
+            row[1] = trigger
+        self._lib.nc_release_mask(ctypes.c_void_p(row.data_ptr()), seq)
 
 
 class Megakernel:
@@ -200,10 +249,10 @@ class Megakernel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], k_pool: torch.Tensor,
                  v_pool: torch.Tensor, block_tables: torch.Tensor, num_blocks: int | None = None,
-                 timeout_s: float = 20.0, row_buffers: int = 8) -> None:
+                 timeout_s: float = 20.0, row_buffers: int = 8, mask_slots: int = 2 * MAX_BATCH) -> None:
         """row_buffers: pinned staging buffers of the row states, used in turn; a launch waits for the copy out
         of the buffer it reuses (row_buffers launches back). Twice a step's launches: a step enqueued while the
-        previous one runs never waits."""
+        previous one runs never waits. mask_slots: MaskSlots to allocate (the backend uses two per row)."""
         from northcode.model.model import rope_inv_freq
 
         self.config, self.device = config, k_pool.device
@@ -226,7 +275,8 @@ class Megakernel:
         self._rows_host = [torch.zeros(row_bytes, dtype=torch.uint8).pin_memory() for _ in range(row_buffers)]
         self._rows_copied = [torch.cuda.Event() for _ in range(row_buffers)]  # rewritten only after its copy
         self._rows_turn = 0
-        self._masks: list[torch.Tensor | None] = []  # the last launch's rows' masks (RowSpec.mask), kept alive
+        self.mask_slots = MaskSlots(mask_slots, config.vocab_size, self.lib)
+        self._slot_addresses = {self.mask_slots.address(k) for k in range(mask_slots)}
 
     def _check_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         checked = {}
@@ -271,6 +321,7 @@ class Megakernel:
         self.moe_act = torch.zeros(c.num_experts, b, c.intermediate_size, **bf16)
         self.dense_act = torch.zeros(b, c.dense_intermediate_size, **bf16)
         self.logits = torch.zeros(b, c.vocab_size, **f32)
+        self.noisy = torch.zeros(b, c.vocab_size, **f32)
         self.lm_partial = torch.zeros(4 * self.num_blocks + 8, b, 4, **f32)
         self.expert_counts = torch.zeros(c.num_hidden_layers, dtype=torch.int32, device=dev)
         self.routed = torch.zeros(c.num_hidden_layers, b, c.num_experts_per_tok, dtype=torch.int32, device=dev)
@@ -310,17 +361,29 @@ class Megakernel:
                                             s.num_counters, s.num_lm_tasks)
         return self._schedules[key]
 
+    def mask_address(self, slot: int) -> int:
+        """The device address of mask slot `slot`, for a RowSpec's mask."""
+        return self.mask_slots.address(slot)
+
+    def release_mask(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int) -> None:
+        """Write mask slot `slot` (bits: int32 [ceil(V / 32)], None: unconstrained this step) and release it as
+        step `seq`: the rows pointing at it with that mask_seq sample once this returns (MaskSlots.release)."""
+        self.mask_slots.release(slot, seq, bits, trigger)
+
+    def collect(self, tokens: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+        """Enqueue copies of the last launch's sampled tokens (int32 [n]) and, when given, logits ([n, V] fp32)
+        into these device tensors: the next launch overwrites the io buffer and the logits."""
+        tokens.copy_(self.tokens[:tokens.shape[0]])
+        if logits is not None:
+            logits.copy_(self.logits[:logits.shape[0]])
+
     def set_rows(self, rows: list[RowSpec]) -> None:
-        """Upload the rows' states (stream-ordered copy from pinned memory: the host never waits). A row's mask is
-        read by the next launch: it is kept alive until the one after."""
+        """Upload the rows' states (stream-ordered copy from pinned memory: the host never waits)."""
         if not 1 <= len(rows) <= MAX_BATCH:
             raise ValueError(f"megakernel: batch of {len(rows)} rows, must be 1..{MAX_BATCH}")
         for r in rows:
-            if r.mask is not None and (r.mask.device != self.device or r.mask.dtype != torch.int32
-                                       or r.mask.numel() != -(-self.config.vocab_size // 32) or r.mask.data_ptr() % 4):
-                raise ValueError(f"megakernel: a row's mask must be int32 [{-(-self.config.vocab_size // 32)}] on "
-                                 f"{self.device}, got {r.mask.dtype} {list(r.mask.shape)} on {r.mask.device}")
-        self._masks = [r.mask for r in rows]
+            if r.mask and r.mask not in self._slot_addresses:
+                raise ValueError(f"megakernel: a row's mask {r.mask:#x} is not one of the kernel's mask slots")
         packed = b"".join(r.pack(self.config.vocab_size) for r in rows)
         turn = self._rows_turn = (self._rows_turn + 1) % len(self._rows_host)
         self._rows_copied[turn].synchronize()

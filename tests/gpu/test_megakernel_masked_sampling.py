@@ -1,23 +1,31 @@
-"""The megakernel's token masks (RowState.mask and trigger, ABI 7) against the torch path (sampling.apply_token_masks).
+"""The megakernel's token masks (RowState.mask: a MaskSlot in mapped host memory, ABI 8) against the torch path
+(sampling.apply_token_masks).
 
 On the kernel alone (LM_HEAD + SAMPLE over random hidden states, as test_megakernel_sampling.py): rows
-unconstrained, masked, armed with the trigger they fed and armed with another; the kernel's logits are the
-torch path's masked logits exactly (the same products: only the forbidden ones are -inf), greedy rows take
-their argmax, and sampled rows, plain and filtered, never draw a forbidden token and fit the masked
-distribution (chi-square). Then the Engine over the megakernel: constrained requests beside free ones, greedy
-and sampled, one grammar dormant until a token it writes, give JSON of the schema, the same tokens alone as in
-the batch. Needs llguidance (the engine's grammars).
+unconstrained, masked, armed with the trigger they fed, armed with another and pointing at a slot released
+without a mask; the kernel's logits are the torch path's masked logits exactly (the same products: only the
+forbidden ones are -inf), greedy rows take their argmax, and sampled rows, plain and filtered, never draw a
+forbidden token and fit the masked distribution (chi-square). The late mask: slots released while the step
+runs (it is still waiting 50 ms on) give the tokens and logits of slots released before the launch, greedy,
+plain and filtered; a slot never released ends the step with the mask timeout. Then the Engine over the
+megakernel: constrained requests beside free ones, greedy and sampled, one grammar dormant until a token it
+writes, give JSON of the schema, the same tokens alone (pipelined: masks written while their step runs) as in
+the batch, and as beside a request with logprobs (unpipelined). Needs llguidance (the engine's grammars).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
+import time
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 DRAWS = 800  # launches per setting, 8 rows each
+STEPS = itertools.count(1)  # the step numbers slots are released as (each launch its own)
 
 
 @pytest.fixture(autouse=True)
@@ -27,25 +35,43 @@ def hopper():
 
 
 def random_masks(vocab: int, rows: int, keep: float, seed: int) -> torch.Tensor:
-    """int32 [rows, ceil(V / 32)] on the GPU: each token allowed with probability `keep`, token 0 always."""
+    """int32 [rows, ceil(V / 32)] on the host: each token allowed with probability `keep`, token 0 always."""
     gen = torch.Generator().manual_seed(seed)
     allowed = torch.rand(rows, -(-vocab // 32) * 32, generator=gen) < keep
     allowed[:, 0] = True
     weights = (1 << torch.arange(32, dtype=torch.int64))
     words = (allowed.view(rows, -1, 32).long() * weights).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).cuda()
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def launch(kernel, config, specs, fed: torch.Tensor) -> list[int]:
-    """LM_HEAD over every tile, then SAMPLE per row, with row b feeding fed[b] (what a trigger compares with)."""
+def launch(kernel, config, specs, fed: torch.Tensor, masks: dict | None = None, late: bool = False) -> list[int]:
+    """LM_HEAD over every tile, then SAMPLE per row, with row b feeding fed[b] (what a trigger compares with).
+    masks {row: (words or None, trigger)}: row b reads mask slot b, released before the launch or, late, 50 ms
+    after it, once the step is seen still waiting for it."""
     from northcode.megakernel.kernel import TaskType, flatten, make_task, place_waves
 
+    masks, seq = masks or {}, next(STEPS)
+    specs = [dataclasses.replace(spec, mask=kernel.mask_address(b), mask_seq=seq) if b in masks else spec
+             for b, spec in enumerate(specs)]
+
+    def release() -> None:
+        for b, (words, trigger) in masks.items():
+            kernel.release_mask(b, seq, words, trigger)
+
+    if not late:
+        release()
     tiles = -(-config.vocab_size // 32)
     lm = [make_task(TaskType.LM_HEAD, 0, (t, 1, t), (), 0) for t in range(tiles)]
     sample = [make_task(TaskType.SAMPLE, 0, (b, tiles), ((0, tiles),)) for b in range(len(specs))]
     kernel.set_rows(specs)
     kernel.tokens[:len(specs)].copy_(fed.to(torch.int32))
     kernel.launch(flatten(place_waves([lm, sample], kernel.num_blocks), 1, tiles), len(specs))
+    if late:
+        launched = torch.cuda.Event()
+        launched.record()
+        time.sleep(0.05)
+        assert not launched.query(), "the step finished before its masks were released"
+        release()
     kernel.check()
     return kernel.tokens[:len(specs)].tolist()
 
@@ -64,14 +90,13 @@ def test_masked_logits_and_greedy_tokens_equal_the_torch_path():
     words = random_masks(vocab, 8, 0.3, seed=1)
     words[3] = random_masks(vocab, 1, 0.001, seed=2)[0]  # a handful of tokens
     triggers = [ALWAYS, ALWAYS, ALWAYS, ALWAYS, 9, 0, ALWAYS, ALWAYS]  # row 4 fed its trigger, row 5 did not
-    masked_rows = (0, 2, 3, 4, 5, 7)  # rows 1 and 6 unconstrained
-    specs = [RowSpec(position=0, seq=0, mask=words[b] if b in masked_rows else None, trigger=triggers[b])
-             for b in range(8)]
-    tokens = launch(kernel, config, specs, fed)
-    masks = TokenMasks(masked_rows, words[list(masked_rows)].cpu(), tuple(triggers[b] for b in masked_rows))
+    masked_rows = (0, 2, 3, 4, 5, 7)  # rows 1 and 6 unconstrained; row 6 points at a slot released with no mask
+    slots = {b: (words[b], triggers[b]) for b in masked_rows} | {6: (None, ALWAYS)}
+    tokens = launch(kernel, config, [RowSpec(position=0, seq=0) for _ in range(8)], fed, slots)
+    masks = TokenMasks(masked_rows, words[list(masked_rows)], tuple(triggers[b] for b in masked_rows))
     expected = apply_token_masks(raw, masks, fed.cuda())
     assert torch.equal(kernel.logits, expected)
-    assert torch.equal(kernel.logits[[1, 5, 6]], raw[[1, 5, 6]])  # free, and armed with a token it did not feed
+    assert torch.equal(kernel.logits[[1, 5, 6]], raw[[1, 5, 6]])  # free, armed with a token it did not feed, no mask
     assert tokens == expected.argmax(-1).tolist()
 
 
@@ -89,8 +114,8 @@ def test_masked_draws_fit_the_masked_distribution(settings):
     counts = torch.zeros(config.vocab_size, dtype=torch.float64)
     fed = torch.zeros(8, dtype=torch.long)
     for n in range(DRAWS):
-        specs = [RowSpec(position=0, seq=0, step=n % 7, seed=5000 + 8 * n + b, mask=mask, **settings) for b in range(8)]
-        for token in launch(kernel, config, specs, fed):
+        specs = [RowSpec(position=0, seq=0, step=n % 7, seed=5000 + 8 * n + b, **settings) for b in range(8)]
+        for token in launch(kernel, config, specs, fed, {b: (mask, -1) for b in range(8)}):
             counts[token] += 1
     logits = kernel.logits[0].double().cpu()
     allowed = torch.isfinite(logits)
@@ -101,6 +126,42 @@ def test_masked_draws_fit_the_masked_distribution(settings):
                          torch.tensor([settings.get("min_p", 0.0)], dtype=torch.float64))[0]
     assert counts[~allowed].sum() == 0, f"{int(counts[~allowed].sum())} draws of forbidden tokens"
     assert chi_square_p_value(counts, probs) > P_MIN
+
+
+def test_a_mask_released_while_its_step_runs_gives_what_one_released_before_the_launch_gives():
+    """The late mask of the pipelined step: the same tokens and logits, greedy, plain and filtered rows, armed
+    and always, and a row whose slot comes with no mask."""
+    from northcode.engine.sampling import ALWAYS
+    from northcode.megakernel.kernel import RowSpec
+    from test_megakernel_tasks import env, randn_bf16
+
+    config, _, _, _, kernel = env()
+    kernel.h.copy_(randn_bf16(8, config.hidden_size))
+    fed = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+    words = random_masks(config.vocab_size, 8, 0.2, seed=7)
+    settings = [dict(), dict(), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=40),
+                dict(temperature=1.0), dict(), dict(temperature=0.7, min_p=0.1), dict()]
+    specs = [RowSpec(position=0, seq=0, step=3, seed=900 + b, **settings[b]) for b in range(8)]
+    masks = {0: (words[0], ALWAYS), 1: (words[1], 6), 2: (words[2], ALWAYS), 3: (words[3], ALWAYS),
+             4: (words[4], 0), 5: (None, ALWAYS), 6: (words[6], ALWAYS)}  # row 7 free; row 4 armed, not fed its trigger
+    early = launch(kernel, config, specs, fed, masks)
+    early_logits = kernel.logits.clone()
+    late = launch(kernel, config, specs, fed, masks, late=True)
+    assert late == early and torch.equal(kernel.logits, early_logits)
+    assert torch.isinf(early_logits[[0, 1, 2, 3, 6]]).any(-1).all() and torch.isfinite(early_logits[[4, 5, 7]]).all()
+
+
+def test_a_mask_never_released_ends_the_step_with_the_mask_timeout():
+    from northcode.megakernel.kernel import RowSpec
+    from test_megakernel_tasks import env, params_set
+
+    config, _, _, _, kernel = env()
+    seq = next(STEPS)
+    specs = [RowSpec(position=0, seq=0), RowSpec(position=0, seq=0, mask=kernel.mask_address(1), mask_seq=seq)]
+    with params_set(kernel, timeout_ns=300_000_000):
+        with pytest.raises(RuntimeError, match=rf"row 1: its token mask \(step {seq}\) was not released by the host"):
+            launch(kernel, config, specs, torch.tensor([1, 2]))
+    assert launch(kernel, config, specs[:1], torch.tensor([1])) is not None  # the status was reset: the kernel runs
 
 
 def test_the_engine_over_the_megakernel_writes_the_schema(tiny_checkpoint):
@@ -123,7 +184,11 @@ def test_the_engine_over_the_megakernel_writes_the_schema(tiny_checkpoint):
                                                     grammar=GrammarSpec(f"start: <[{trigger}]> {body}", trigger))),
                      (prompt_of(30), free), (prompt_of(31), free)]
         together = run(engine, requests)
-        assert [tokens_of(o) for o in together] == [tokens_of(run(engine, [r])[0]) for r in requests]
+        alone = [run(engine, [r])[0] for r in requests]  # pipelined: each constrained row's mask comes late
+        assert [tokens_of(o) for o in together] == [tokens_of(o) for o in alone]
+        host_sampled = (prompt_of(40), SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True))
+        for request, outputs in zip(requests[:6:2], alone[:6:2]):  # unpipelined beside it: masks while the step runs
+            assert tokens_of(run(engine, [request, host_sampled])[0]) == tokens_of(outputs)
         for i, outputs in enumerate(together[:6]):
             ids = tokens_of(outputs)
             ids = ids[ids.index(trigger) + 1:] if i == 5 else ids
