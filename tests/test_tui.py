@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -88,11 +89,9 @@ async def test_escape_cancels_the_request_on_the_server(workspace, store, key):
     assert messages[2]["content"].startswith("slow slow")
 
 
-@pytest.mark.parametrize("keys, changed, told", [
-    (("y",), True, "updated app.py"), (("n",), False, "denied by the user"), (("escape",), False, "denied by the user"),
-    # t: deny and say why; y, a, n and t are typed into the note, not taken as answers
-    (("t", *"use y not an n", "enter"), False, "denied by the user, who says: use y not an n")])
-async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, keys, changed, told):
+@contextlib.asynccontextmanager
+async def edit_awaiting_approval(workspace, store):
+    """The app with the model's edit of app.py (x = 1 to x = 2) waiting on its approval: (endpoint, app, pilot)."""
     edit = ("edit", {"filePath": "app.py", "oldString": "x = 1", "newString": "x = 2"})
     with ScriptedEndpoint([tool_reply(edit), text_reply("ok")]) as endpoint:
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
@@ -100,10 +99,19 @@ async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, keys
             await until(pilot, lambda: app.agent is not None)
             await send(app, pilot, "bump x")
             await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
-            assert "+x = 2" in app.screen.call.preview
-            await pilot.press(*keys)
-            await until(pilot, lambda: not app.is_busy and endpoint.finished == 2)
-            assert app.query(ToolCallView)
+            yield endpoint, app, pilot
+
+
+@pytest.mark.parametrize("keys, changed, told", [
+    (("y",), True, "updated app.py"), (("n",), False, "denied by the user"), (("escape",), False, "denied by the user"),
+    # t: deny and say why; y, a, n and t are typed into the note, not taken as answers
+    (("t", *"use y not an n", "enter"), False, "denied by the user, who says: use y not an n")])
+async def test_edit_asks_with_a_diff_and_obeys_the_answer(workspace, store, keys, changed, told):
+    async with edit_awaiting_approval(workspace, store) as (endpoint, app, pilot):
+        assert "+x = 2" in app.screen.call.preview
+        await pilot.press(*keys)
+        await until(pilot, lambda: not app.is_busy and endpoint.finished == 2)
+        assert app.query(ToolCallView)
     assert (workspace / "app.py").read_text() == ("x = 2\n" if changed else "x = 1\n")
     tool_message = endpoint.requests[1]["messages"][-1]
     assert tool_message["role"] == "tool" and told in tool_message["content"]
@@ -388,14 +396,8 @@ async def test_a_call_is_shown_while_its_arguments_stream(workspace, store):
 
 
 async def test_quitting_while_an_approval_is_open_ends_cleanly(workspace, store):
-    edit = ("edit", {"filePath": "app.py", "oldString": "x = 1", "newString": "x = 2"})
-    with ScriptedEndpoint([tool_reply(edit), text_reply("ok")]) as endpoint:
-        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
-        async with app.run_test(size=(100, 30)) as pilot:
-            await until(pilot, lambda: app.agent is not None)
-            await send(app, pilot, "bump x")
-            await until(pilot, lambda: isinstance(app.screen, ApprovalScreen))
-            app.exit()
-            await pilot.pause(0.2)
+    async with edit_awaiting_approval(workspace, store) as (_, app, pilot):
+        app.exit()
+        await pilot.pause(0.2)
     assert app.return_code in (0, None) and app._exception is None  # the cancelled turn raised nothing
     assert (workspace / "app.py").read_text() == "x = 1\n"

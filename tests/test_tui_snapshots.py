@@ -6,6 +6,7 @@ the snapshots pin the layout and the text. Update them with `pytest --snapshot-u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -144,19 +145,29 @@ def test_agent_turn_with_tools(snap_compare, workspace, store):
         assert snap_compare(app, terminal_size=(100, 40), run_before=run_before)
 
 
-def test_hunk_review_screen(snap_compare, workspace, store):
-    from northcode.tui.screens import HunkReviewScreen
-
+@contextlib.contextmanager
+def two_hunk_write(workspace, store):
+    """An app whose model writes app.py with two hunks, and the pilot's steps to that write's approval."""
     before = "def greet(name):\n    return 'hello ' + name\n" + "".join(f"# {n}\n" for n in range(10))
     (workspace / "app.py").write_text(before)
     after = before.replace("'hello ' + name", "f'hello {name}'").replace("# 9\n", "# nine\n")
     with ScriptedEndpoint([tool_reply(("write", {"filePath": "app.py", "content": after}))]) as endpoint:
         app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
 
-        async def run_before(pilot):
+        async def to_approval(pilot):
             await settle(pilot, lambda: app.agent is not None)
             await type_and_send(pilot, "use an f-string")
             await settle(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+
+        yield app, to_approval
+
+
+def test_hunk_review_screen(snap_compare, workspace, store):
+    from northcode.tui.screens import HunkReviewScreen
+
+    with two_hunk_write(workspace, store) as (app, to_approval):
+        async def run_before(pilot):
+            await to_approval(pilot)
             await pilot.press("h", "n")
             await settle(pilot, lambda: isinstance(app.screen, HunkReviewScreen))
 
@@ -200,16 +211,9 @@ def test_hunk_review_with_a_hunk_left_out(snap_compare, workspace, store):
     """The hunk review at 80x24 after `n` left the first hunk out (struck through) and moved to the second."""
     from northcode.tui.screens import HunkReviewScreen
 
-    before = "def greet(name):\n    return 'hello ' + name\n" + "".join(f"# {n}\n" for n in range(10))
-    (workspace / "app.py").write_text(before)
-    after = before.replace("'hello ' + name", "f'hello {name}'").replace("# 9\n", "# nine\n")
-    with ScriptedEndpoint([tool_reply(("write", {"filePath": "app.py", "content": after}))]) as endpoint:
-        app = NorthcodeApp(workspace, endpoint=endpoint.url, store=store)
-
+    with two_hunk_write(workspace, store) as (app, to_approval):
         async def run_before(pilot):
-            await settle(pilot, lambda: app.agent is not None)
-            await type_and_send(pilot, "use an f-string")
-            await settle(pilot, lambda: isinstance(app.screen, ApprovalScreen))
+            await to_approval(pilot)
             await pilot.press("h")
             await settle(pilot, lambda: isinstance(app.screen, HunkReviewScreen))
             await pilot.press("n")
