@@ -4,7 +4,6 @@ the step's masks (active and armed), and -inf where a mask forbids."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -46,9 +45,7 @@ def allowed(tok, masks: TokenMasks, k: int) -> list[str]:
 
 def test_a_grammar_is_compiled_once_and_its_errors_name_the_construct(tok, compiler):
     grammar = text_grammar(tok)
-    first = compiler.compile(grammar)
-    start = time.perf_counter()
-    assert compiler.compile(grammar) is first and time.perf_counter() - start < 0.01
+    assert compiler.compile(grammar) is compiler.compile(grammar)
     assert schema_problem(json_text({"type": "object", "propertyNames": {"pattern": "^a"}})) == \
         'Unimplemented keys: ["propertyNames"]'
     assert schema_problem(json_text({"type": "string", "format": "iban"})) == "Unknown format: iban"

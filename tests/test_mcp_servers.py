@@ -375,7 +375,7 @@ async def test_starting_imports_the_sdk_off_the_event_loop(workspace, tmp_path, 
     `northcode run` with a workspace's server then failed as "no server (ConnectTimeout)"."""
     import northcode.agent.mcp_servers as mcp_servers
 
-    monkeypatch.setattr(mcp_servers, "_import_sdk", lambda: time.sleep(0.5))  # as slow as a cold import, or more
+    monkeypatch.setattr(mcp_servers, "_import_sdk", lambda: time.sleep(1.5))  # as slow as a cold import, or more
     servers = McpServers([stdio_config()], workspace.root, tmp_path)
     starting = asyncio.ensure_future(servers.start())
     gaps, last = [], time.monotonic()
@@ -384,7 +384,7 @@ async def test_starting_imports_the_sdk_off_the_event_loop(workspace, tmp_path, 
         gaps.append(time.monotonic() - last)
         last = time.monotonic()
     await servers.aclose()
-    assert servers.servers["calc"].state == "stopped" and max(gaps) < 0.4
+    assert servers.servers["calc"].state == "stopped" and max(gaps) < 1.0  # the loop kept turning
 
 
 @pytest.mark.parametrize("transport, mode", [("stdio", "auto"), ("http", "auto"), ("stdio", "legacy")])
