@@ -28,7 +28,8 @@ SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read
 SETTINGS = dict(page_size=16, chunk_size=64, device="cpu", seed=0, cpu_kv_bytes=64 << 20)
 # A thinking model's leaning: close the thinking block (above every closing token's lean, 4 * LEAN) or, more
 # still, end the turn or open a text block at once, escapes a forced answer's grammar must close
-THINKING_LEAN = {"<|END_THINKING|>": 4 * LEAN + 4, "<|END_OF_TURN_TOKEN|>": 4 * LEAN + 6, "<|START_TEXT|>": 4 * LEAN + 5}
+THINKING_LEAN = {"<|END_THINKING|>": 4 * LEAN + 4, "<|END_OF_TURN_TOKEN|>": 4 * LEAN + 6,
+                 "<|START_TEXT|>": 4 * LEAN + 5}
 
 
 def lean_of(text: str) -> float:
