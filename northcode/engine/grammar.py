@@ -162,8 +162,9 @@ def _first_line(error: str) -> str:
 
 class RequestGrammar:
     """One request's matcher. Dormant (unconstrained, or held to text when the spec bans markers) until its trigger
-    token when the spec names one; that token is the grammar's first. `catch_up` feeds it the request's tokens; a token it took that the request then
-    lost (a decode step that failed before its tokens were appended) makes it start again from the beginning."""
+    token when the spec names one; that token is the grammar's first. `catch_up` feeds it the request's tokens; a
+    token it took that the request then lost (a decode step that failed before its tokens were appended) makes it
+    start again from the beginning."""
 
     def __init__(self, compiled: CompiledGrammar, spec: GrammarSpec) -> None:
         self.compiled, self.trigger_id, self.ban_while_dormant = compiled, spec.trigger_id, spec.ban_while_dormant
