@@ -307,8 +307,8 @@ def test_the_engine_over_the_megakernel_holds_a_banning_dormant_grammar_to_text(
         for request, outputs in zip(requests[:6:2], alone[:6:2]):
             assert tokens_of(run(engine, [request, host_sampled])[0]) == tokens_of(outputs)
         for outputs in together[:6]:
-            ids = tokens_of(outputs)
-            assert not set(ids[:ids.index(trigger) if trigger in ids else len(ids)]) & special
+            got = tokens_of(outputs)
+            assert not set(got[:got.index(trigger) if trigger in got else len(got)]) & special
         assert tokens_of(together[0])[:at + 1] == ids[:at + 1] and together[0][-1].finish_reason == "stop"
     finally:
         engine.shutdown()
