@@ -1,10 +1,11 @@
 """Cold prefill through the engine's torch prefill path on North Mini Code's geometry (random weights): TTFT for
-each prompt length x prefill chunk size, then the GPU time by kernel of the last pair under torch.profiler.
+each prompt length x prefill chunk size, then the last pair's prefill under torch.profiler, split by
+northcode.bench.prefill_profile (attention, expert GEMMs, other GEMMs, copies, gaps) with its --top kernels.
 
     NORTHCODE_TORCH_COMPILE=0 python lab/prefill_profile.py --tokens 4096 16384 --chunk-sizes 512 2048
 
 (NORTHCODE_TORCH_COMPILE=0: the decode step's compile is not needed here and takes minutes at start-up.
-`--preset tiny` runs it on the CPU as a smoke test, with CPU time in the table.)
+`--preset tiny` runs it on the CPU as a smoke test, split by CPU op self times.)
 """
 
 from __future__ import annotations
@@ -29,15 +30,6 @@ def time_first_token(engine, request_id: str, prompt: list[int], on_gpu: bool) -
     return time.perf_counter() - start
 
 
-def print_kernels(prof, on_gpu: bool, top: int) -> None:
-    own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)  # us
-    events = [e for e in prof.key_averages() if own(e) > 0]
-    total = sum(own(e) for e in events)
-    print(f"{'GPU' if on_gpu else 'CPU'} time under the profiler: {total / 1e3:.1f} ms")
-    for e in sorted(events, key=lambda e: -own(e))[:top]:
-        print(f"{own(e) / 1e3:9.2f} ms {100 * own(e) / total:5.1f}% {e.count:6d}x  {e.key[:110]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
@@ -51,6 +43,7 @@ def main() -> None:
     parser.add_argument("--profile-warm", action="store_true",
                         help="profile a warm turn (+40 tokens on the last prompt) instead of the cold prompt")
     args = parser.parse_args()
+    from northcode.bench.prefill_profile import format_split, profile_prefill
     from northcode.engine.settings import EngineSettings
     from northcode.model.synthetic import preset_config, random_weights
     from northcode.runtime import build_engine
@@ -83,16 +76,14 @@ def main() -> None:
             print(f"{'':14}warm turns (+{', +'.join(map(str, args.warm_turns))} tokens on {n} cached): "
                   + ", ".join(f"{1e3 * w:.1f}" for w in warm) + " ms", flush=True)
         if chunk == args.chunk_sizes[-1]:
-            activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
             profiled = prompt(args.tokens[-1])
             if args.profile_warm:  # cached first, then the turn of 40 new tokens on it is what is profiled
                 time_first_token(engine, "cached", profiled, on_gpu)
                 profiled = profiled + prompt(40)
-            with torch.profiler.profile(activities=[activity]) as prof:
-                time_first_token(engine, "profiled", profiled, on_gpu)
+            split = profile_prefill(engine, profiled, on_gpu, top=args.top)
             print(f"profile: {'a warm turn of 40 tokens on ' if args.profile_warm else ''}{args.tokens[-1]} tokens, "
                   f"chunks of {chunk}, CAUSAL_MIN_QUERIES {paged_prefill.CAUSAL_MIN_QUERIES}")
-            print_kernels(prof, on_gpu, args.top)
+            print("\n".join(format_split(split)))
         engine.shutdown()
 
 

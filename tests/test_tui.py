@@ -22,7 +22,7 @@ def workspace(tmp_path):
     return root
 
 
-async def until(pilot, condition, timeout_s: float = 10.0) -> None:
+async def until(pilot, condition, timeout_s: float = 30.0) -> None:  # a loaded 2-core CI machine is slow
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting for the app"

@@ -9,6 +9,9 @@ unless --schema asks for one). With --schema, each batch size's decode runs agai
 the schema (the grammar the server builds for a json_schema response_format), in the same process: its
 tokens/s and its ratio to the unconstrained figure. The schema must allow --decode-tokens tokens or more
 (an array with minItems, say): a grammar that completes ends its request early, and the bench says so.
+With --profile-prefill, one more cold prompt of --prompt-len runs under torch.profiler after the rest, and its
+time is split into attention, expert GEMMs, other GEMMs, copies and elementwise, other and gaps
+(bench/prefill_profile.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a JSON schema (its text, or @FILE): decode also runs with every row held to it; it must "
                              "allow long output, e.g. {\"type\": \"array\", \"items\": {\"type\": \"integer\"}, "
                              "\"minItems\": 64}")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="then one more cold prefill of --prompt-len under torch.profiler: its time by attention, "
+                             "expert GEMMs, other GEMMs, copies and elementwise, other, gaps")
 
 
 @dataclass
@@ -70,6 +76,8 @@ class EngineBenchResult:
     decode: list[dict] = field(default_factory=list)
     decode_tokens: int = 0
     schema: dict | None = None
+    # with --profile-prefill: prefill_profile.PrefillSplit as a dict (source, prompt_len, wall_ms, categories_ms, top)
+    prefill_profile: dict | None = None
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -191,6 +199,10 @@ def measure(engine, args: argparse.Namespace, on_gpu: bool, schema: dict | None 
                        constrained_min_tokens=constrained["min_tokens"])
         del row["min_tokens"]
         result.decode.append(row)
+    if args.profile_prefill:  # last, so the profiler touches none of the figures above
+        from northcode.bench.prefill_profile import profile_prefill
+
+        result.prefill_profile = asdict(profile_prefill(engine, random_prompt(rng, vocab, prompt_len), on_gpu))
     return result
 
 
@@ -236,6 +248,10 @@ def format_table(result: EngineBenchResult) -> str:
             line += f" {row['constrained_tokens_per_s']:22.1f} {row['constrained_ratio']:7.3f}"
         lines.append(line)
     lines += [f"  note: {note}" for note in short_runs(result)]
+    if result.prefill_profile is not None:
+        from northcode.bench.prefill_profile import PrefillSplit, format_split
+
+        lines += format_split(PrefillSplit(**result.prefill_profile))
     return "\n".join(lines)
 
 
