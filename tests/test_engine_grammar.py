@@ -3,7 +3,8 @@ schema of tests/data/json_schemas.json, greedy and sampled, in batches of 8 on t
 that parses and validates (jsonschema); the same alone; under penalties (the unpipelined step, the host
 Sampler); a grammar dormant until its trigger, whose first masked token the device samples before the host
 has read the trigger; max_tokens before the grammar is done ("length", a valid prefix); unconstrained rows
-untouched by a constrained one beside them."""
+untouched by a constrained one beside them; a thinking block before a forced answer, on a model leaning to
+escape it, left only by its end (GrammarSpec.ban_while_dormant)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 
 from northcode.engine.grammar import DUMPS_STYLE, RequestGrammar, json_text
 from northcode.engine.request import GrammarSpec, SamplingParams
-from tests.closing_model import SCHEMAS, closing_engine
-from tests.test_engine import make_engine, prompt_of
+from tests.closing_model import SCHEMAS, THINKING_LEAN, closing_engine
+from tests.test_engine import make_engine, prompt_of, run, tokens_of
 
 MAX_TOKENS = 100  # the closing model ends every schema's JSON within 93 tokens (the longest seen)
 
@@ -106,6 +107,40 @@ def test_free_until_the_trigger_then_held_and_the_rows_beside_it_untouched(tiny_
     engine.shutdown()
     assert beside == alone and ids[:at + 1] == alone[:at + 1]
     assert_valid(engine, entry, reason, ids[at + 1:])
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.5], ids=["pipelined", "host-sampled"])
+def test_a_thinking_block_before_a_forced_answer_is_left_only_by_its_end(tiny_checkpoint, penalty):
+    """A grammar dormant until <|END_THINKING|> that bans markers meanwhile, on the closing model leaning harder to
+    end the turn or open a text block than to end its thinking (THINKING_LEAN): 16 requests in batches of 8,
+    greedy and sampled, the first token from the prefill, each think in text, end the thinking, then answer in
+    JSON that validates. The same grammar without the ban: most end their turn instead (what the ban closes)."""
+    engine = closing_engine(tiny_checkpoint, THINKING_LEAN)
+    tok = engine.tokenizer
+    start_thinking, end_thinking, start_text, end_text = (tok.token_to_id(f"<|{name}|>") for name in (
+        "START_THINKING", "END_THINKING", "START_TEXT", "END_TEXT"))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    grammar = f"start: <[{end_thinking}]> <[{start_text}]> %json {json_text({**schema, 'x-guidance': DUMPS_STYLE})} " \
+              f"<[{end_text}]>"
+
+    def requests(first: int, ban: bool) -> list[tuple[list[int], SamplingParams]]:
+        return [(prompt_of(5 + k, salt=3) + [start_thinking],
+                 SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0 if k % 2 else 1.0, seed=k,
+                                presence_penalty=penalty, grammar=GrammarSpec(grammar, end_thinking, ban)))
+                for k in range(first, first + 8)]
+    try:
+        held = run(engine, requests(0, True)) + run(engine, requests(8, True))
+        free = run(engine, requests(0, False))
+    finally:
+        engine.shutdown()
+    for outputs in held:
+        ids = tokens_of(outputs)
+        assert outputs[-1].finish_reason == "stop" and end_thinking in ids, tok.decode(ids, skip_special_tokens=False)
+        thinking, answer = ids[:ids.index(end_thinking)], ids[ids.index(end_thinking) + 1:]
+        assert not set(thinking) & tok.special_ids and answer[0] == start_text and answer[-1] == end_text
+        jsonschema.validate(json.loads(tok.decode(answer[1:-1])), schema)
+    assert sum(end_thinking not in tokens_of(outputs) for outputs in free) >= 4
 
 
 def test_an_unknown_special_token_in_a_grammar_is_refused_before_the_request_runs(engine, prompt):

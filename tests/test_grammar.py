@@ -1,6 +1,7 @@
 """engine/grammar.py and the masks' application (sampling.apply_token_masks) on the tiny checkpoint's tokenizer:
 compiling and its cache, a request's matcher (dormant until its trigger, tokens taken ahead, a lost token),
-the step's masks (active and armed), and -inf where a mask forbids."""
+the step's masks (active and armed; a dormant grammar's that bans markers, alone and as the armed mask's
+otherwise, with no matcher run), and -inf where a mask forbids."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from northcode.engine.grammar import (GrammarCompiler, GrammarError, RequestGrammar, constrained_masks, grammar_problem,
                                       json_text, schema_problem)
-from northcode.engine.request import GrammarSpec
-from northcode.engine.sampling import ALWAYS, TokenMasks, allowed_tokens, apply_token_masks
+from northcode.engine.request import GrammarSpec, SamplingParams
+from northcode.engine.sampling import (ALWAYS, NEVER, NO_DORMANT_RULE, TokenMasks, allowed_tokens, apply_token_masks,
+                                      token_words)
 from northcode.model.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False,
@@ -78,6 +80,59 @@ def test_a_dormant_row_that_feeds_an_unread_token_gets_the_mask_after_its_trigge
     for fed, finite in ((marker(tok, "END_THINKING"), 1), (5, tok.vocab_size)):  # the mask holds only after the trigger
         masked = apply_token_masks(logits, masks, torch.tensor([7, fed]))
         assert masked[0].isfinite().sum() == tok.vocab_size and masked[1].isfinite().sum() == finite
+
+
+def banning(tok, compiler) -> RequestGrammar:
+    """text_grammar's grammar, dormant until <|END_THINKING|>, text only until then."""
+    spec = GrammarSpec(text_grammar(tok), marker(tok, "END_THINKING"), ban_while_dormant=True)
+    return RequestGrammar(compiler.compile(spec.grammar), spec)
+
+
+def finite(masked: torch.Tensor) -> set[int]:
+    return set(masked.isfinite().nonzero().flatten().tolist())
+
+
+def test_the_text_mask_is_every_token_but_the_special_ones(tok, compiler):
+    text = set(allowed_tokens(compiler.text_mask[None], tok.vocab_size)[0].nonzero().flatten().tolist())
+    assert text == set(range(tok.vocab_size)) - tok.special_ids and len(tok.special_ids) == 18
+    assert torch.equal(token_words(allowed_tokens(compiler.text_mask[None], tok.vocab_size)), compiler.text_mask[None])
+    wider = GrammarCompiler.for_tokenizer(tok, tok.vocab_size + 70)  # logits wider than the tokenizer: no tokens there
+    assert allowed_tokens(wider.text_mask[None], tok.vocab_size + 70)[0, tok.vocab_size:].sum() == 0
+
+
+def test_a_dormant_grammar_that_bans_markers_allows_text_and_its_trigger_without_a_matcher(tok, compiler, monkeypatch):
+    end_thinking, grammar = marker(tok, "END_THINKING"), banning(tok, compiler)
+    monkeypatch.setattr(compiler, "fill_masks", lambda grammars: pytest.fail("llguidance ran for a dormant row"))
+    masks = constrained_masks(compiler, [None, grammar], [([], None, False), (tok.encode("I think"), None, False)])
+    assert masks.rows == (1,) and masks.triggers == (NEVER,) and masks.dormant == (end_thinking,)
+    assert masks.text_bits is compiler.text_mask and grammar.matcher is None
+    masked = apply_token_masks(torch.zeros(2, tok.vocab_size), masks)  # the host knows the token fed: no `fed`
+    assert finite(masked[0]) == set(range(tok.vocab_size))
+    assert finite(masked[1]) == set(range(tok.vocab_size)) - tok.special_ids | {end_thinking}
+    assert torch.equal(constrained_masks(compiler, [grammar], [(tok.encode("I think more"), None, False)]).bits,
+                       torch.zeros(1, compiler.num_words, dtype=torch.int32))
+    with pytest.raises(ValueError, match="ban_while_dormant only with a trigger"):
+        SamplingParams(grammar=GrammarSpec(text_grammar(tok), None, ban_while_dormant=True)).validate()
+
+
+def test_a_banning_row_that_feeds_an_unread_token_gets_the_armed_mask_or_otherwise_text(tok, compiler, monkeypatch):
+    end_thinking = marker(tok, "END_THINKING")
+    free = RequestGrammar(compiler.compile(text_grammar(tok)), GrammarSpec(text_grammar(tok), end_thinking))
+    monkeypatch.setattr(compiler, "fill_masks", lambda grammars: pytest.fail("llguidance ran for a dormant row"))
+    masks = constrained_masks(compiler, [banning(tok, compiler), free], [([], None, True), ([], None, True)])
+    assert masks.triggers == (end_thinking, end_thinking) and masks.dormant == (end_thinking, NO_DORMANT_RULE)
+    text = set(range(tok.vocab_size)) - tok.special_ids
+    eos = marker(tok, "END_OF_TURN_TOKEN")
+    for fed, allowed_then in ((end_thinking, {marker(tok, "START_TEXT")}), (5, text | {end_thinking}),
+                              (eos, text | {end_thinking})):  # the armed mask if it fed the trigger, else text
+        masked = apply_token_masks(torch.zeros(2, tok.vocab_size), masks, torch.tensor([fed, fed]))
+        assert finite(masked[0]) == allowed_then
+        assert finite(masked[1]) == ({marker(tok, "START_TEXT")} if fed == end_thinking else set(range(tok.vocab_size)))
+    grammar = banning(tok, compiler)
+    grammar.catch_up(tok.encode("hmm") + [end_thinking])
+    monkeypatch.undo()
+    awake = constrained_masks(compiler, [grammar], [(tok.encode("hmm") + [end_thinking], None, True)])
+    assert awake.triggers == (ALWAYS,) and awake.dormant == (NO_DORMANT_RULE,) and awake.text_bits is None
 
 
 def test_tokens_taken_ahead_are_confirmed_or_replaced(tok, compiler):

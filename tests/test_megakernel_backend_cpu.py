@@ -4,7 +4,8 @@ pools and sampled by engine/sampling.sample_on_device, so its tokens are TorchBa
 cut into launches of 8, carried tokens (gathered, or left in the io buffer), rows that join, leave and
 reorder, draw numbers, logits for the engine's Sampler, status failures raised when a step is read, late token
 masks (asked for after the step's launches, each mask slot released then; a failure on the host releases them
-all), and the Engine pipelining over it with the torch engine's outputs. The real kernel:
+all; dormant rules over the text mask, uploaded once), and the Engine pipelining over it with the torch
+engine's outputs. The real kernel:
 tests/gpu/test_megakernel_backend_gpu.py and tests/gpu/test_megakernel_masked_sampling.py.
 """
 
@@ -22,8 +23,8 @@ from northcode.engine.engine import Engine
 from northcode.engine.kv_cache import KVCacheManager
 from northcode.engine.pipeline import IN_FLIGHT
 from northcode.engine.request import GrammarSpec, SamplingParams
-from northcode.engine.sampling import (ALWAYS, BatchSamplingArgs, SamplingRow, TokenMasks, allowed_tokens,
-                                      apply_token_masks, sample_on_device)
+from northcode.engine.sampling import (ALWAYS, NEVER, NO_DORMANT_RULE, BatchSamplingArgs, SamplingRow, TokenMasks,
+                                      allowed_tokens, apply_token_masks, sample_on_device)
 from northcode.engine.settings import EngineSettings
 from northcode.megakernel.backend import MegakernelBackend
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, RowSpec
@@ -45,7 +46,8 @@ class FakeMegakernel:
     io[b] (the tokens given, else what io holds: the last launch's samples) and writes its samples there; a
     failure sets the sticky status (io[8:12]: code, detail, detail) and later launches compute nothing. A launch
     with a row that points at a mask slot samples once the host released that slot for the launch's step (as
-    SAMPLE waits for it); until then it is pending, and it and the launches after it (one stream) write their
+    SAMPLE waits for it), masked by its words or its dormant rule (over the text mask uploaded before the launch,
+    as the kernel reads it); until then it is pending, and it and the launches after it (one stream) write their
     tokens and logits, and fill what `collect` asked for, when it completes."""
 
     def __init__(self, prefiller: TorchBackend, fail_at: int | None = None, draw_salt: int = 0) -> None:
@@ -57,17 +59,22 @@ class FakeMegakernel:
         self.rows: list[list[RowSpec]] = []  # the rows of each launch
         self.schedules: set[tuple[int, int]] = set()
         self.num_blocks = 132  # an H100/H200's SMs: what the task lists are built for
-        self.slots: dict[int, tuple[int, torch.Tensor | None, int]] = {}  # slot -> (step, bits or None, trigger)
+        self.slots: dict[int, tuple[int, torch.Tensor | None, int, int]] = {}  # slot -> (step, bits, trigger, dormant)
+        self.text_masks: list[torch.Tensor] = []  # what set_text_mask uploaded, in order
         self.pending: list[dict] = []  # launches waiting for a mask slot (and those after them), in launch order
         self.late_releases = 0  # slots released while a launch that reads them was pending
 
     def mask_address(self, slot: int) -> int:
         return SLOT_BASE + slot * SLOT_BYTES
 
-    def release_mask(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int) -> None:
+    def release_mask(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int,
+                     dormant: int = NO_DORMANT_RULE) -> None:
         self.late_releases += any(r.mask == self.mask_address(slot) for launch in self.pending for r in launch["rows"])
-        self.slots[slot] = (seq, None if bits is None else bits.clone(), trigger)
+        self.slots[slot] = (seq, None if bits is None else bits.clone(), trigger, dormant)
         self._complete()
+
+    def set_text_mask(self, bits: torch.Tensor) -> None:
+        self.text_masks.append(bits.clone())
 
     def collect(self, tokens: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         launch = self._last
@@ -96,7 +103,8 @@ class FakeMegakernel:
         for b, token in enumerate(inputs):
             if not 0 <= token < vocab:
                 self._report(4, b, token)
-        self._last = launch = dict(rows=list(rows), inputs=inputs, logits=None, done=False, out=[])
+        self._last = launch = dict(rows=list(rows), inputs=inputs, logits=None, done=False, out=[],
+                                   text=self.text_masks[-1] if self.text_masks else None)  # as Params holds it
         if self.io[MAX_BATCH] == 0:  # an aborted step skips its work
             positions = torch.tensor([r.position for r in rows])
             pages = -(-(max(r.position for r in rows) + 1) // PAGE_SIZE)
@@ -118,9 +126,9 @@ class FakeMegakernel:
         rows, inputs, logits, n = launch["rows"], launch["inputs"], launch["logits"], len(launch["rows"])
         if logits is not None:
             for b, r in enumerate(rows):  # as the kernel's SAMPLE: a constrained row's forbidden logits at -inf
-                _, bits, trigger = self.slots[(r.mask - SLOT_BASE) // SLOT_BYTES] if r.mask else (0, None, ALWAYS)
-                if bits is not None and trigger in (ALWAYS, inputs[b]):
-                    logits[b] = apply_token_masks(logits[b:b + 1], TokenMasks((0,), bits[None], (ALWAYS,)))[0]
+                if r.mask:
+                    logits[b] = self._masked(logits[b:b + 1], self.slots[(r.mask - SLOT_BASE) // SLOT_BYTES],
+                                             inputs[b], launch["text"])[0]
             sampling = BatchSamplingArgs.prepare(
                 [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p) for r in rows],
                 [r.seed + self.draw_salt for r in rows], [r.step for r in rows])
@@ -128,6 +136,17 @@ class FakeMegakernel:
             self.tokens[:n] = sample_on_device(logits, sampling).to(torch.int32)
         launch["tokens"], launch["logits"], launch["done"] = self.tokens[:n].clone(), self.logits[:n].clone(), True
         self._copy_out(launch)
+
+    @staticmethod
+    def _masked(logits: torch.Tensor, slot: tuple, fed: int, text: torch.Tensor | None) -> torch.Tensor:
+        """logits [1, V] as SAMPLE masks them with the slot: its words where they apply (no words: NEVER), else
+        its dormant rule over the text mask (none uploaded: unconstrained, as the kernel's null check)."""
+        _, bits, trigger, dormant = slot
+        if text is None:
+            dormant = NO_DORMANT_RULE
+        words = bits if bits is not None else torch.zeros(-(-logits.shape[1] // 32), dtype=torch.int32)
+        masks = TokenMasks((0,), words[None], (trigger if bits is not None else NEVER,), (dormant,), text)
+        return apply_token_masks(logits, masks, torch.tensor([fed]))
 
     def _copy_out(self, launch: dict) -> None:
         for tokens, logits in launch["out"]:
@@ -355,6 +374,38 @@ def test_consecutive_steps_take_turns_of_mask_slots_with_their_own_numbers(tiny)
     assert slots == turn and backend.kernel.pending == []
 
 
+def test_dormant_rules_mask_over_the_text_mask_uploaded_once_as_the_torch_backend_does(tiny):
+    """Rows 0 and 3 dormant with a rule (the host knows row 0's token: NEVER; row 3 is armed and feeds another
+    token than its trigger), row 9 armed and fed its trigger (its words): the torch backend's tokens, over three
+    steps, with the text mask uploaded once, before the first launch."""
+    config, weights = tiny
+    prompts, sampling = setup_rows(config)
+    gen = torch.Generator().manual_seed(8)
+    text = torch.randint(-2**31, 2**31 - 1, (-(-config.vocab_size // 32),), generator=gen, dtype=torch.int32)
+    words = step_masks(config, prompts).bits
+    triggers = (7, prompts[3][-1] + 1, prompts[9][-1])
+    text[triggers[0] // 32] &= ~(1 << triggers[0] % 32)  # the rule's trigger only by the rule
+    masks = TokenMasks((0, 3, 9), torch.stack([torch.zeros_like(words[0]), words[0], words[1]]),
+                       (NEVER, triggers[1], triggers[2]), (triggers[0], triggers[1], NO_DORMANT_RULE), text)
+
+    def batch_of(kv):
+        batch = constrained_batch(kv, prompts, sampling, masks_of=lambda: masks)
+        batch.text_mask = text
+        return batch
+    torch_backend = TorchBackend(config, weights, NUM_PAGES, PAGE_SIZE, ROWS, MAX_PAGES)
+    expected = torch_backend.decode(batch_of(prefilled(torch_backend, config, prompts))).token_ids
+    backend = fake_backend(config, weights)
+    kv = prefilled(backend, config, prompts)
+    got = [backend.decode(batch_of(kv)).token_ids for _ in range(3)]  # host-fed: the same step thrice
+    assert got == [expected] * 3 and len(backend.kernel.text_masks) == 1
+    assert torch.equal(backend.kernel.text_masks[0], text)
+    allowed_text = allowed_tokens(text[None], config.vocab_size)[0]
+    assert expected[0] == triggers[0] or allowed_text[expected[0]]
+    assert allowed_text[expected[3]] and allowed_tokens(words[1:], config.vocab_size)[0, expected[9]]
+    slots = {b: backend.kernel.slots[ROWS + b][1:] for b in (0, 3)}  # step 3 took the second turn
+    assert slots[0][0] is None and slots[0][1:] == (NEVER, triggers[0]) and slots[3][2] == triggers[1]
+
+
 def test_masks_that_raise_release_every_slot_unconstrained_and_the_error_goes_on(tiny):
     config, weights = tiny
     prompts, sampling = setup_rows(config)
@@ -367,7 +418,7 @@ def test_masks_that_raise_release_every_slot_unconstrained_and_the_error_goes_on
     with pytest.raises(ValueError, match="the grammar broke"):
         backend.launch_decode(constrained_batch(kv, prompts, sampling, masks_of=broken), [-1] * ROWS)
     assert backend.kernel.pending == []  # the launches finished: nothing waits for its timeout
-    assert {slot: (seq, bits) for slot, (seq, bits, _) in backend.kernel.slots.items()} == \
+    assert {slot: (seq, bits) for slot, (seq, bits, _, _) in backend.kernel.slots.items()} == \
         {ROWS + b: (1, None) for b in CONSTRAINED}
 
 
@@ -533,7 +584,8 @@ def test_a_seeded_request_draws_the_same_tokens_beside_a_penalised_one_as_alone(
 def test_constrained_rows_are_masked_by_the_kernel_as_by_the_torch_backend(engines):
     """JSON schemas and a grammar dormant until a token the rows write a few tokens in (its armed mask, read by
     the kernel against the token each row fed) beside free rows, twelve rows in two launches: the torch engine's
-    tokens, and JSON that validates."""
+    tokens, and JSON that validates. And a sampled one that bans markers while dormant (its dormant rule, over the
+    text mask): the torch engine's tokens, no special token before its trigger."""
     import json
 
     import jsonschema
@@ -552,7 +604,9 @@ def test_constrained_rows_are_masked_by_the_kernel_as_by_the_torch_backend(engin
                                                                grammar=GrammarSpec(f"start: {body}"))) for i in range(5)]
     dormant = (trigger_prompt, SamplingParams(max_tokens=40, temperature=0.0,
                                               grammar=GrammarSpec(f"start: <[{trigger}]> {body}", trigger)))
-    requests = constrained + [dormant] + free[6:]
+    banning = (prompt_of(12, salt=9), SamplingParams(max_tokens=40, temperature=1.5, seed=3, grammar=GrammarSpec(
+        f"start: <[{trigger}]> {body}", trigger, ban_while_dormant=True)))
+    requests = constrained + [dormant] + free[6:-1] + [banning]
     late, pipelined = fake.backend.kernel.late_releases, fake._pipelined()
     got = run(fake, requests)
     assert pipelined and fake.backend.kernel.late_releases > late  # masks written while their steps waited
@@ -562,3 +616,7 @@ def test_constrained_rows_are_masked_by_the_kernel_as_by_the_torch_backend(engin
         jsonschema.validate(json.loads(tokenizer.decode(tokens_of(outputs))), schema)
     after = tokens_of(got[5])
     jsonschema.validate(json.loads(tokenizer.decode(after[after.index(trigger) + 1:])), schema)
+    held = tokens_of(got[-1])
+    assert not set(held[:held.index(trigger) if trigger in held else len(held)]) & tokenizer.special_ids
+    assert len(fake.backend.kernel.text_masks) == 1 and torch.equal(fake.backend.kernel.text_masks[0],
+                                                                     fake.grammars.text_mask)

@@ -5,14 +5,19 @@ llguidance cannot enforce is a 400 naming the construct (a tool's, under auto, i
 instead); then end to end on the tiny random-weights checkpoint (tests/closing_model.py): JSON answers that
 validate, streamed and not, and forced tool calls, 100% of them carrying arguments valid against their
 tool's schema, through /v1/chat/completions, /v1/messages (tool_choice any and tool) and /v1/responses
-(text.format json_schema, tool_choice)."""
+(text.format json_schema, tool_choice). With reasoning on, on a model leaning to end its turn or open a text block
+before it ends its thinking (THINKING_LEAN), in batches of 8: every forced call still comes, and auto still may
+end the turn without one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import jsonschema
 import pytest
+from northcode_serve_process import running_server
 from starlette.testclient import TestClient
 
 from northcode.server.app import create_app
@@ -20,7 +25,7 @@ from northcode.server.errors import RequestError
 from northcode.server.schemas import parse_chat_request
 from northcode.server.state import ServerOptions, ServerState
 from northcode.server.structured_output import chat_grammar
-from tests.closing_model import SCHEMAS, closing_engine
+from tests.closing_model import SCHEMAS, THINKING_LEAN, closing_engine
 from tests.test_output_parser import markers, tok  # noqa: F401 (fixtures)
 
 SCHEMA_OF = {e["name"]: e["schema"] for e in SCHEMAS}
@@ -67,8 +72,12 @@ def test_what_each_request_is_held_to(markers):
     assert grammar_of(markers) is None and grammar_of(markers, tools=TOOLS, tool_choice="none") is None
     auto = grammar_of(markers, thinking=True, tools=TOOLS)  # free text, or calls once the model opens an action
     assert auto.trigger_id == markers.start_action and "start: action\n" in auto.grammar
+    assert not auto.ban_while_dormant  # auto's free text may end the turn
     required = grammar_of(markers, thinking=True, tools=TOOLS, tool_choice="required")
     assert required.trigger_id == markers.end_thinking and f"start: <[{markers.end_thinking}]> (action)" in required.grammar
+    assert required.ban_while_dormant  # its thinking may write no marker but <|END_THINKING|>
+    answer_after_thinking = grammar_of(markers, thinking=True, response_format={"type": "json_object"})
+    assert answer_after_thinking.trigger_id == markers.end_thinking and answer_after_thinking.ban_while_dormant
     assert 'call ("," call)*' in required.grammar
     single = grammar_of(markers, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     assert single.trigger_id is None and 'call ("," call)*' not in single.grammar
@@ -154,6 +163,72 @@ def test_every_forced_call_carries_valid_arguments(client, stream):
         assert parallel or len(found) == 1
         if isinstance(choice, dict):
             assert {name for name, _ in found} == {choice["function"]["name"]}
+
+
+# --- a forced answer behind a thinking block ---
+
+
+@pytest.fixture(scope="module")
+def thinking_url(tiny_checkpoint):
+    """The app on a loopback port (requests in parallel share the engine's steps) over the closing model leaning
+    to escape its thinking block."""
+    engine = closing_engine(tiny_checkpoint, THINKING_LEAN)
+    try:
+        with running_server(create_app(ServerState(ServerOptions(), engine=engine))) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+def turns(url: str, bodies: list[dict]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The bodies' chat completions, all at once: (finish_reason, (name, arguments) of each call) of each."""
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            return await asyncio.gather(*[http.post("/v1/chat/completions", json=body) for body in bodies])
+    responses = asyncio.run(main())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    return [turn_of(r, body.get("stream", False)) for r, body in zip(responses, bodies)]
+
+
+def turn_of(response: httpx.Response, stream: bool) -> tuple[str, list[tuple[str, str]]]:
+    if not stream:
+        choice = response.json()["choices"][0]
+        return choice["finish_reason"], [(c["function"]["name"], c["function"]["arguments"])
+                                         for c in choice["message"].get("tool_calls") or []]
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for line in response.text.splitlines():
+        if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+            for call in choices[0]["delta"].get("tool_calls") or []:
+                calls.setdefault(call["index"], ["", ""])
+                calls[call["index"]][0] += call["function"].get("name") or ""
+                calls[call["index"]][1] += call["function"].get("arguments") or ""
+            finish = choices[0]["finish_reason"] or finish
+    return finish, [tuple(c) for c in calls.values()]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "streamed"])
+def test_a_forced_call_behind_a_thinking_block_always_comes(thinking_url, stream):
+    """Without the ban most of these end their turn in the thinking block (tests/test_engine_grammar.py)."""
+    choices = ["required", {"type": "function", "function": {"name": "edit"}}, {"type": "function", "function": {
+        "name": "bash"}}, {"type": "function", "function": {"name": "todo_write"}}]
+    for batch in range(3):
+        bodies = [{"model": "m", "messages": [{"role": "user", "content": f"Task {batch}.{k}."}], "tools": TOOLS,
+                   "tool_choice": choices[k % 4], "parallel_tool_calls": k < 4, "max_tokens": 240,
+                   "temperature": 0.0 if (batch + k) % 2 else 1.0, "seed": 8 * batch + k, "stream": stream}
+                  for k in range(8)]
+        for body, (finish, calls) in zip(bodies, turns(thinking_url, bodies)):
+            assert finish == "tool_calls", (body, finish, calls)
+            assert_calls_valid(calls)
+            assert body["parallel_tool_calls"] or len(calls) == 1
+            if isinstance(body["tool_choice"], dict):
+                assert {name for name, _ in calls} == {body["tool_choice"]["function"]["name"]}
+
+
+def test_auto_behind_a_thinking_block_may_still_end_the_turn_without_a_call(thinking_url):
+    bodies = [{"model": "m", "messages": [{"role": "user", "content": f"Maybe {k}."}], "tools": TOOLS,
+               "max_tokens": 240, "temperature": 1.0, "seed": k, "stream": k % 2 == 1} for k in range(8)]
+    assert any(finish == "stop" and not calls for finish, calls in turns(thinking_url, bodies))
 
 
 def test_anthropic_tool_choice_any_and_tool(client):

@@ -17,14 +17,15 @@
 //   is not (the task lists carry the layers), so one build serves a model and its shallow test copies.
 //   Target sm_90a; no PyTorch headers. ABI: nc_* functions below; one Params struct by pointer;
 //   NC_ABI_VERSION. Token masks come late: a constrained row's SAMPLE waits for the host to release its
-//   MaskSlot in mapped host memory (section 14), so the host computes the mask while the step runs.
+//   MaskSlot in mapped host memory (section 14), so the host computes the mask while the step runs; a dormant
+//   grammar's rule (text tokens and its trigger) reads one static text mask in device memory instead.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
-#define NC_ABI_VERSION 8
+#define NC_ABI_VERSION 9
 
 #if !defined(NC_HIDDEN) || !defined(NC_HEADS) || !defined(NC_KV_HEADS) || \
     !defined(NC_HEAD_DIM) || !defined(NC_VOCAB) || !defined(NC_EXPERTS) || !defined(NC_TOPK) ||   \
@@ -112,16 +113,20 @@ struct Task {  // 16 int32, built by megakernel.py
 static_assert(sizeof(Task) == 64, "Task is 16 int32");
 
 // A constrained row's token mask, in pinned host memory the device reads directly (megakernel.py MaskSlots). The
-// host may write it while the step runs: words and trigger first, then, after a store fence, ready = the row's
-// mask_seq (nc_release_mask). SAMPLE waits for that before it reads the rest (section 14).
-constexpr int kNoMask = -2;  // a trigger: the row is unconstrained this step (a dormant grammar, a failed host)
+// host may write it while the step runs: words, trigger and dormant first, then, after a store fence, ready = the
+// row's mask_seq (nc_release_mask). SAMPLE waits for that before it reads the rest (section 14). Where the words
+// do not apply, a row with a dormant rule (a grammar that bans markers until its trigger) may sample a text
+// token (Params.text_mask) or its trigger only.
+constexpr int kNoMask = -2;  // a trigger: the words never apply this step (a dormant grammar, a failed host)
 struct MaskSlot {
   unsigned ready;              // the sequence number of the step whose mask this is
-  int trigger;                 // -1: the mask applies; >= 0: only if the row fed this token; kNoMask: it does not
-  unsigned pad[2];
+  int trigger;                 // -1: the words apply; >= 0: only if the row fed this token; kNoMask: they do not
+  int dormant;                 // -1: where the words do not apply the row is unconstrained; >= 0: the trigger a
+                               // dormant rule allows besides Params.text_mask
+  unsigned pad;
   unsigned words[kMaskWords];  // bit v % 32 of word v / 32: token v allowed
 };
-static_assert(offsetof(MaskSlot, words) == 16, "MaskSlot layout");
+static_assert(offsetof(MaskSlot, dormant) == 8 && offsetof(MaskSlot, words) == 16, "MaskSlot layout");
 
 struct RowState {  // one batch row, uploaded by the host each step
   int position;        // position of this row's token (= tokens already cached for its sequence)
@@ -164,6 +169,7 @@ struct Params {
   const RowState* rows;                  // [NC_MAX_BATCH]
   int* tokens;                           // [NC_MAX_BATCH] in: this step's tokens; out: sampled tokens
   int* status;                           // [4] code, detail, detail, 0
+  const unsigned* text_mask;             // [kMaskWords] the text tokens (every dormant rule's), device; null: none yet
   // scratch (device buffers owned by megakernel.py)
   float* x;                              // [8, H] residual stream (fp32, rounded to bf16 per layer)
   bf16* h;                               // [8, H] normed input of the current layer
@@ -1496,7 +1502,9 @@ __device__ void task_lm_head(const Params& p, const Task& t, unsigned char* smem
 //   memory. Where it applies (trigger -1, or the token the row fed: tokens[b], written only at this task's
 //   end) one pass sets the forbidden logits to -inf (the host and the filters see the masked row) and,
 //   unfiltered, takes the argmax of the allowed logits (greedy) or of LM_HEAD's noisy copy (sampled): the
-//   token masked partials would give. Elsewhere the row samples as an unconstrained one.
+//   token masked partials would give. Where it does not, a row with a dormant rule is masked the same way by
+//   the text mask plus its trigger (copied from device memory); elsewhere the row samples unconstrained.
+constexpr int kMaskNone = 0, kMaskSlot = 1, kMaskText = 2;  // SampleSmem.mask_on: which mask applies to the row
 struct SampleSmem {
   float hist_mass[256];
   unsigned hist_count[256];
@@ -1504,8 +1512,9 @@ struct SampleSmem {
   ArgMax best[kWarps];
   unsigned chosen;
   float remaining;
-  int mask_on;                   // the row's mask applies this step
-  uint4 mask[kMaskWords / 4];    // its words, copied from the slot
+  int mask_on;                   // kMaskNone, kMaskSlot (the slot's words apply) or kMaskText (the dormant rule)
+  int mask_trigger;              // kMaskText: the token allowed besides the text tokens
+  uint4 mask[kMaskWords / 4];    // the words that apply, copied from the slot or the text mask
 };
 
 __device__ __forceinline__ unsigned order_key(float f) {  // monotonic float -> uint32
@@ -1556,16 +1565,19 @@ __device__ unsigned radix_select(const float* row, float inv_t, float max_scaled
   return prefix;
 }
 
-// Waits until the host released row b's slot for this step (or the step failed), then copies the mask into
-// shared memory; true when it applies. Every thread acquires the slot itself before it reads the words.
+// Waits until the host released row b's slot for this step (or the step failed), then copies the mask that
+// applies into shared memory: the slot's words, or a dormant rule's text mask with its trigger's bit; true when
+// one applies. Every thread acquires the slot itself before it reads the words.
 __device__ bool fetch_mask(const Params& p, const RowState& rs, int b, SampleSmem& s) {
   if (threadIdx.x == 0) {
     const long long start = global_ns();
-    int on = 0;
+    int on = kMaskNone, dormant = -1;
     for (;;) {
       if (load_acquire_sys(&rs.mask->ready) == (unsigned)rs.mask_seq) {
         const int trigger = (int)load_acquire_sys(reinterpret_cast<const unsigned*>(&rs.mask->trigger));
-        on = trigger == -1 || (trigger >= 0 && trigger == p.tokens[b]);
+        dormant = (int)load_acquire_sys(reinterpret_cast<const unsigned*>(&rs.mask->dormant));
+        if (trigger == -1 || (trigger >= 0 && trigger == p.tokens[b])) on = kMaskSlot;
+        else if (dormant >= 0 && dormant < kVocab && p.text_mask != nullptr) on = kMaskText;
         break;
       }
       if (*(volatile int*)p.status != 0) break;
@@ -1573,16 +1585,19 @@ __device__ bool fetch_mask(const Params& p, const RowState& rs, int b, SampleSme
       __nanosleep(128);
     }
     s.mask_on = on;
+    s.mask_trigger = dormant;
   }
   __syncthreads();
-  if (!s.mask_on) return false;
+  const int on = s.mask_on;
+  if (on == kMaskNone) return false;
   load_acquire_sys(&rs.mask->ready);  // released already: it orders this thread's loads below after the host's writes
+  const unsigned* source = on == kMaskSlot ? rs.mask->words : p.text_mask;
   constexpr int kVecs = kMaskWords / 4, kPerThread = (kVecs + kThreads - 1) / kThreads;
-  uint4 words[kPerThread];  // every load in flight before the first store: one round trip to host memory
+  uint4 words[kPerThread];  // every load in flight before the first store: one round trip (to host memory: the slot)
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int w = threadIdx.x + j * kThreads;
-    if (w < kVecs) words[j] = load_relaxed_sys16(rs.mask->words + 4 * w);
+    if (w < kVecs) words[j] = load_relaxed_sys16(source + 4 * w);
   }
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
@@ -1590,6 +1605,10 @@ __device__ bool fetch_mask(const Params& p, const RowState& rs, int b, SampleSme
     if (w < kVecs) s.mask[w] = words[j];
   }
   __syncthreads();
+  if (on == kMaskText) {  // the dormant rule's trigger, besides the text tokens
+    if (threadIdx.x == 0) reinterpret_cast<unsigned*>(s.mask)[s.mask_trigger >> 5] |= 1u << (s.mask_trigger & 31);
+    __syncthreads();
+  }
   return true;
 }
 

@@ -23,7 +23,9 @@ Protocol (the engine calls these from its step thread, never concurrently):
      has enqueued the model step and before it samples (the host computes the masks while the device runs
      the step; the megakernel enqueues its sampling too, which waits on the device for them), and applies
      them (sampling.apply_token_masks) to every row it samples and to the logits it returns. Only a row whose
-     SamplingParams.grammar is set gets a mask (the megakernel points just those at a mask slot).
+     SamplingParams.grammar is set gets a mask (the megakernel points just those at a mask slot). A row whose
+     grammar bans markers while dormant may need `batch.text_mask` (static, the tokenizer's text tokens): the
+     engine hands it before the masks, so that a backend can put it on the device once, before its launches.
   3. `launch_decode(batch, carry) -> PendingDecode` (the pipelined step, pipeline.py): enqueue one decode
      step and return without waiting. carry[b] >= 0: row b feeds the token that row carry[b] of the previous
      launch sampled, read from device memory (batch.token_ids[b] is then -1); -1: batch.token_ids[b].
@@ -91,6 +93,7 @@ class DecodeBatch:
     tables_version: int
     tables_columns: int | None = None  # columns ever mapped (the rest are all -1); None: all
     token_masks: Callable[[], TokenMasks | None] | None = None  # the constrained rows' masks (None: no row is)
+    text_mask: torch.Tensor | None = None  # host int32 [ceil(V / 32)]: TokenMasks.text_bits, when a row may need it
 
     def masks(self) -> TokenMasks | None:
         """The constrained rows' token masks (computed now, on the host), or None."""

@@ -264,7 +264,8 @@ class Engine:
         """Prefill chunks, launch decode n+1, read decode n: (the tokens to append, the new launch)."""
         sampled = self._prefill(plan)
         masks_of = self._constrained if self._any_grammar(plan.decodes) else None
-        read, launched = self.pipeline.launch_and_read(plan, self.backend, self.kv, masks_of)
+        read, launched = self.pipeline.launch_and_read(plan, self.backend, self.kv, masks_of,
+                                                       self._text_mask(plan.decodes))
         return sampled + [(seq, token, None) for seq, token in read], launched
 
     def _drain(self) -> None:
@@ -308,7 +309,7 @@ class Engine:
                             return_logits=bool(host), block_tables=kv.block_tables, tables_version=kv.version,
                             tables_columns=kv.high_water)
         if self._any_grammar(sequences):  # computed by the backend while the model step runs
-            batch.token_masks = lambda: self._constrained(sequences)
+            batch.token_masks, batch.text_mask = lambda: self._constrained(sequences), self._text_mask(sequences)
         result = self.backend.decode(batch)
         assert not batch.sample or result.token_ids is not None, f"{self.backend.name} backend returned no tokens"
         tokens = list(result.token_ids) if batch.sample else [-1] * len(sequences)
@@ -322,6 +323,10 @@ class Engine:
 
     def _any_grammar(self, sequences: list[Sequence]) -> bool:
         return any(self._requests[s.request_id].grammar is not None for s in sequences)
+
+    def _text_mask(self, sequences: list[Sequence]) -> torch.Tensor | None:  # DecodeBatch.text_mask, when needed
+        bans = any(s.params.grammar is not None and s.params.grammar.ban_while_dormant for s in sequences)
+        return self.grammars.text_mask if bans else None
 
     def _constrained(self, sequences: list[Sequence],
                      read: Callable[[], dict[int, int]] | None = None) -> TokenMasks | None:

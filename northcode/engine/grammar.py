@@ -9,7 +9,9 @@ dormant while its spec's trigger token has not been sampled, then fed every toke
 `constrained_masks` gives a step's token masks (sampling.TokenMasks): an active grammar's next-token mask,
 its rows computed in parallel; and for a dormant grammar whose row feeds a token the host has not read yet
 (the pipelined step), the mask right after its trigger, armed: it applies only if that token is the trigger,
-which the device checks, so a dormant row never waits for the host. Nothing here touches the device.
+which the device checks, so a dormant row never waits for the host. A dormant grammar that bans markers
+(GrammarSpec.ban_while_dormant) adds its dormant rule: otherwise, text tokens (`GrammarCompiler.text_mask`,
+built once from the tokenizer) and the trigger; no matcher runs for it. Nothing here touches the device.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import functools
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
 
 from northcode.engine.request import GrammarSpec
-from northcode.engine.sampling import ALWAYS, TokenMasks
+from northcode.engine.sampling import ALWAYS, NEVER, NO_DORMANT_RULE, TokenMasks, token_words
 
 CACHE_SIZE = 64  # compiled grammars kept (least recently used goes first)
 # llguidance's JSON options (a schema's "x-guidance") for JSON as json.dumps writes it: ", " and ": ", no other
@@ -94,9 +97,14 @@ class GrammarCompiler:
     the engine's step thread reads the cache and fills masks)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...],
-                 cache_size: int = CACHE_SIZE) -> None:
-        """tokenizer_json: the checkpoint's tokenizer.json text; vocab_size: the logits' width (masks cover it)."""
+                 cache_size: int = CACHE_SIZE, special_ids: Iterable[int] = (), num_tokens: int | None = None) -> None:
+        """tokenizer_json: the checkpoint's tokenizer.json text; vocab_size: the logits' width (masks cover it);
+        special_ids: the tokenizer's special tokens; num_tokens: its size (ids from it up to vocab_size are none)."""
         self.vocab_size, self.num_words = vocab_size, -(-vocab_size // 32)
+        text = torch.zeros(1, vocab_size, dtype=torch.bool)
+        text[0, :min(vocab_size, num_tokens or vocab_size)] = True
+        text[0, [t for t in special_ids if t < vocab_size]] = False
+        self.text_mask = token_words(text)[0]  # int32 [num_words]: the text tokens (what a dormant rule allows)
         self._tokenizer_json, self._eos_ids = tokenizer_json, list(eos_ids)
         self._library_tokenizer = None  # llguidance.LLTokenizer, built on first use (~1 s for 256K tokens)
         self._executor = None  # llguidance.LLExecutor: its threads compute a step's masks together
@@ -106,7 +114,8 @@ class GrammarCompiler:
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int) -> GrammarCompiler:
-        return cls(tokenizer.to_json(), vocab_size, tuple(tokenizer.eos_ids))
+        return cls(tokenizer.to_json(), vocab_size, tuple(tokenizer.eos_ids), special_ids=tokenizer.special_ids,
+                   num_tokens=tokenizer.vocab_size)
 
     def _tokenizer(self):
         with self._lock:
@@ -152,12 +161,13 @@ def _first_line(error: str) -> str:
 
 
 class RequestGrammar:
-    """One request's matcher. Dormant (unconstrained) until its trigger token when the spec names one; that token
-    is the grammar's first. `catch_up` feeds it the request's tokens; a token it took that the request then
-    lost (a decode step that failed before its tokens were appended) makes it start again from the beginning."""
+    """One request's matcher. Dormant (unconstrained, or held to text when the spec bans markers) until its trigger
+    token when the spec names one; that token is the grammar's first. `catch_up` feeds it the request's tokens; a
+    token it took that the request then lost (a decode step that failed before its tokens were appended) makes it
+    start again from the beginning."""
 
     def __init__(self, compiled: CompiledGrammar, spec: GrammarSpec) -> None:
-        self.compiled, self.trigger_id = compiled, spec.trigger_id
+        self.compiled, self.trigger_id, self.ban_while_dormant = compiled, spec.trigger_id, spec.ban_while_dormant
         self._restart()
 
     def _restart(self) -> None:
@@ -214,20 +224,28 @@ def constrained_masks(compiler: GrammarCompiler, grammars: list[RequestGrammar |
                       histories: list[tuple[list[int], int | None, bool]]) -> TokenMasks | None:
     """The step's token masks, or None when no row is constrained. histories[b]: row b's output ids, a token it
     sampled that is not in them yet (or None), and whether the token it feeds is still unread on the device.
-    A row whose grammar is active gets its mask; a dormant one that feeds an unread token, the armed mask."""
-    active, armed = [], []
+    A row whose grammar is active gets its mask; a dormant one that feeds an unread token, the armed mask; a
+    dormant one that bans markers, its dormant rule too (alone, NEVER, when the host knows the token it feeds)."""
+    triggers: dict[int, int] = {}  # row -> ALWAYS (active), its trigger (armed) or NEVER (dormant rule only)
     for b, (grammar, (output_ids, extra, unread)) in enumerate(zip(grammars, histories)):
         if grammar is None:
             continue
         grammar.catch_up(output_ids, extra)
         if grammar.is_active:
-            active.append(b)
+            triggers[b] = ALWAYS
         elif unread:
-            armed.append(b)
-    if not active and not armed:
+            triggers[b] = grammar.trigger_id
+        elif grammar.ban_while_dormant:
+            triggers[b] = NEVER
+    if not triggers:
         return None
-    bits = {b: mask for b, mask in zip(active, compiler.fill_masks([grammars[b] for b in active]))} if active else {}
-    bits.update((b, grammars[b].compiled.mask_after(grammars[b].trigger_id)) for b in armed)
-    rows = sorted(bits)
-    return TokenMasks(tuple(rows), torch.stack([bits[b] for b in rows]),
-                      tuple(grammars[b].trigger_id if b in armed else ALWAYS for b in rows))
+    rows = tuple(sorted(triggers))
+    active = [b for b in rows if triggers[b] == ALWAYS]
+    bits = dict(zip(active, compiler.fill_masks([grammars[b] for b in active]))) if active else {}
+    unused = torch.zeros(compiler.num_words, dtype=torch.int32)  # a NEVER row's mask
+    bits.update((b, unused if t == NEVER else grammars[b].compiled.mask_after(t)) for b, t in triggers.items()
+                if t != ALWAYS)
+    dormant = tuple(grammars[b].trigger_id if triggers[b] != ALWAYS and grammars[b].ban_while_dormant
+                    else NO_DORMANT_RULE for b in rows)
+    return TokenMasks(rows, torch.stack([bits[b] for b in rows]), tuple(triggers[b] for b in rows), dormant,
+                      compiler.text_mask if any(d != NO_DORMANT_RULE for d in dormant) else None)

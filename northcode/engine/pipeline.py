@@ -51,10 +51,12 @@ def can_pipeline(sequences: Iterable[Sequence]) -> bool:
 
 
 def pipelined_batch(plan: StepPlan, previous: LaunchedStep | None, block_tables: torch.Tensor, tables_version: int,
-                    tables_columns: int | None, masks_of: MaskFunction | None = None) -> tuple[DecodeBatch, list[int]]:
+                    tables_columns: int | None, masks_of: MaskFunction | None = None,
+                    text_mask: torch.Tensor | None = None) -> tuple[DecodeBatch, list[int]]:
     """The decode batch of plan n+1 and its carry: the row of each sequence in launch n, or -1 when its
     input token is on the host (its prompt's first token came from a prefill, or it was read already). With
-    masks_of (a constrained row), the batch's token_masks hands masks_of the reading of launch n."""
+    masks_of (a constrained row), the batch's token_masks hands masks_of the reading of launch n; text_mask:
+    the batch's (DecodeBatch.text_mask)."""
     slot = {id(seq): b for b, seq in enumerate(previous.sequences)} if previous else {}
     decodes = plan.decodes
     carry = [slot[id(s)] if s.in_flight else -1 for s in decodes]
@@ -65,7 +67,8 @@ def pipelined_batch(plan: StepPlan, previous: LaunchedStep | None, block_tables:
         return masks_of(decodes, lambda: {id(seq): token for seq, token in read_tokens(previous)})
     batch = DecodeBatch([s.row for s in decodes], token_ids, [s.num_computed for s in decodes], sampling,
                         sample=True, return_logits=False, block_tables=block_tables, tables_version=tables_version,
-                        tables_columns=tables_columns, token_masks=token_masks if masks_of is not None else None)
+                        tables_columns=tables_columns, token_masks=token_masks if masks_of is not None else None,
+                        text_mask=text_mask)
     return batch, carry
 
 
@@ -98,12 +101,14 @@ class DecodePipeline:
         return self.launched.sequences if self.launched is not None else []
 
     def launch_and_read(self, plan: StepPlan, backend: ModelBackend, kv: KVCacheManager,
-                        masks_of: MaskFunction | None = None) -> tuple[list[tuple[Sequence, int]], LaunchedStep | None]:
+                        masks_of: MaskFunction | None = None, text_mask: torch.Tensor | None = None
+                        ) -> tuple[list[tuple[Sequence, int]], LaunchedStep | None]:
         """Launch plan n+1's decode rows, then read step n: (its tokens, the new launch or None). Nothing
         changes here: `advance` takes the new launch once the whole step succeeded."""
         launched = None
         if plan.decodes:
-            batch, carry = pipelined_batch(plan, self.launched, kv.block_tables, kv.version, kv.high_water, masks_of)
+            batch, carry = pipelined_batch(plan, self.launched, kv.block_tables, kv.version, kv.high_water, masks_of,
+                                           text_mask)
             launched = LaunchedStep(list(plan.decodes), backend.launch_decode(batch, carry))
         return read_tokens(self.launched), launched
 

@@ -43,10 +43,13 @@ class GrammarSpec:
     """Constrained decoding: the output must match `grammar` (llguidance's: its Lark dialect, with special tokens
     by name and `%json {schema}` inline, or what llguidance.LLMatcher.grammar_from_* returns). With trigger_id
     the output is free until that token is sampled, and the token is the grammar's first (a thinking block,
-    then the answer the grammar holds). A grammar that is complete ends the request ("stop")."""
+    then the answer the grammar holds); with ban_while_dormant, free means text: until its trigger the request
+    may sample no special token but the trigger (a forced answer's thinking cannot end the turn or open a block
+    of its own). A grammar that is complete ends the request ("stop")."""
 
     grammar: str
     trigger_id: int | None = None  # None: the grammar holds from the first token
+    ban_while_dormant: bool = False  # before the trigger: text tokens and the trigger only (needs a trigger_id)
 
 
 @dataclass(slots=True)
@@ -95,8 +98,12 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
             ("grammar", self.grammar is None or (isinstance(self.grammar, GrammarSpec)
                                                  and isinstance(self.grammar.grammar, str)
-                                                 and _is_token_id_or_none(self.grammar.trigger_id)),
-             "must be None or a GrammarSpec (grammar text, trigger token id or None)"),
+                                                 and _is_token_id_or_none(self.grammar.trigger_id)
+                                                 and isinstance(self.grammar.ban_while_dormant, bool)
+                                                 and not (self.grammar.ban_while_dormant
+                                                          and self.grammar.trigger_id is None)),
+             "must be None or a GrammarSpec (grammar text, trigger token id or None, ban_while_dormant only "
+             "with a trigger)"),
         ]
         for name, ok, why in checks:
             if not ok:

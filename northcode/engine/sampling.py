@@ -33,21 +33,36 @@ SCALED_LIMIT = 1e30  # |scaled logit| at most this: differences of two stay fini
 
 
 ALWAYS = -1  # TokenMasks.triggers: the row's mask applies whatever token it feeds
+NEVER = -2  # TokenMasks.triggers: the row's mask never applies (a dormant grammar: only its dormant rule may)
+NO_DORMANT_RULE = -1  # TokenMasks.dormant: where the row's mask does not apply, the row is unconstrained
 
 
 @dataclass(frozen=True, slots=True)
 class TokenMasks:
-    """The constrained rows of a step and what each may sample next (engine/grammar.py computes them)."""
+    """The constrained rows of a step and what each may sample next (engine/grammar.py computes them). Where a
+    row's mask does not apply (its trigger is not the token it fed, or NEVER), its dormant rule does: a grammar
+    that bans markers while dormant lets the row sample a text token (text_bits) or its trigger, nothing else."""
 
     rows: tuple[int, ...]  # the batch rows constrained, ascending
     bits: torch.Tensor  # host int32 [len(rows), ceil(V / 32)]: bit t % 32 of word t // 32 set = token t allowed
-    triggers: tuple[int, ...]  # per row: ALWAYS, or a token id: the mask applies only if the row feeds that token
+    triggers: tuple[int, ...]  # per row: ALWAYS, NEVER, or a token id: the mask applies only if the row feeds it
+    dormant: tuple[int, ...] = ()  # per row: NO_DORMANT_RULE, or the trigger a dormant row may sample besides text
+    text_bits: torch.Tensor | None = None  # host int32 [ceil(V / 32)]: the text tokens (every row's dormant rule)
 
 
 def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Mask words int32 [N, W] -> bool [N, vocab_size] (on the words' device)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def token_words(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [N, V] -> mask words int32 [N, ceil(V / 32)] (allowed_tokens' inverse; bit 31 is the sign)."""
+    num_words = -(-allowed.shape[1] // 32)
+    padded = torch.zeros(allowed.shape[0], num_words * 32, dtype=torch.int64)
+    padded[:, :allowed.shape[1]] = allowed
+    words = (padded.view(-1, num_words, 32) << torch.arange(32, dtype=torch.int64)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None, fed: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,8 +76,22 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None, fed: torch
     banned = ~allowed_tokens(to_device(masks.bits, device), logits.shape[1])  # [N, V]
     if any(t != ALWAYS for t in masks.triggers):
         triggers = to_device(torch.tensor(masks.triggers, dtype=torch.long), device)
-        banned &= ((triggers == ALWAYS) | (fed.index_select(0, index) == triggers))[:, None]
+        applies = triggers == ALWAYS
+        if any(t >= 0 for t in masks.triggers):
+            applies |= fed.index_select(0, index) == triggers
+        banned = torch.where(applies[:, None], banned, _dormant_banned(masks, logits.shape[1], device))
     return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(banned, -torch.inf))
+
+
+def _dormant_banned(masks: TokenMasks, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """bool [N, V]: what each row's dormant rule bans (nothing for a row without one)."""
+    if all(d == NO_DORMANT_RULE for d in masks.dormant):
+        return torch.zeros(len(masks.rows), vocab_size, dtype=torch.bool, device=device)
+    assert masks.text_bits is not None and len(masks.dormant) == len(masks.rows), "a dormant rule without text_bits"
+    dormant = to_device(torch.tensor(masks.dormant, dtype=torch.long), device)  # [N]
+    text = allowed_tokens(to_device(masks.text_bits[None], device), vocab_size)  # [1, V]
+    trigger = torch.arange(vocab_size, device=device)[None, :] == dormant[:, None]  # [N, V]
+    return ~(text | trigger) & (dormant != NO_DORMANT_RULE)[:, None]
 
 
 @dataclass(slots=True)

@@ -15,6 +15,8 @@ the step is launched first, then its token masks are asked for (`batch.masks()`:
 reads the previous step's tokens, then llguidance computes the masks while the device runs this one) and
 each slot is written and released; the kernel's SAMPLE of such a row waits for its slot (armed masks
 included: it compares the token the row fed with the trigger), so the logits returned are masked too. A
+dormant grammar that bans markers gives its slot a dormant rule (its trigger), which the kernel applies with
+the text mask in device memory (`batch.text_mask`, uploaded before the first launch that may need it, once). A
 failure on the host still releases every slot, unconstrained, so the step never waits for its timeout.
 Slots go in two turns of max_batch: a step's slots are rewritten two steps later, once that step is done.
 """
@@ -29,7 +31,7 @@ import torch
 from northcode.config import ModelConfig
 from northcode.engine.backend import DecodeBatch, DecodeResult, PrefillBatch, check_launch
 from northcode.engine.device import PendingTokens, carried_tokens, to_device
-from northcode.engine.sampling import ALWAYS, TokenMasks
+from northcode.engine.sampling import ALWAYS, NEVER, NO_DORMANT_RULE, TokenMasks
 from northcode.megakernel.kernel import MAX_BATCH, PAGE_SIZE, Megakernel, RowSpec, raise_for_status
 from northcode.megakernel.support import gpu_blocker, model_blocker
 from northcode.megakernel.tasks import split_contexts
@@ -117,6 +119,7 @@ class MegakernelBackend:
         self._carried: _Carried | None = None  # the last launch_decode's tokens
         self._num_steps = 0  # steps launched: the next one's number is what its mask slots are released as
         self._turn_done: list[torch.cuda.Event | None] = [None, None]  # the last step that used each turn's slots
+        self._text_mask: torch.Tensor | None = None  # the host text mask the kernel holds (DecodeBatch.text_mask)
 
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         return self.prefiller.prefill(batch)
@@ -175,6 +178,9 @@ class MegakernelBackend:
         specs = [row_spec(batch, b, kernel.mask_address(slots[b]), seq) if b in slots else row_spec(batch, b)
                  for b in range(num_rows)]
         self.tables.upload(batch.block_tables, batch.tables_version, batch.tables_columns)
+        if batch.text_mask is not None and batch.text_mask is not self._text_mask:  # static: once per backend
+            kernel.set_text_mask(batch.text_mask)
+            self._text_mask = batch.text_mask
         status = kernel.io[MAX_BATCH:]
         out = torch.empty(num_rows + status.numel(), dtype=torch.int32, device=self.device)
         logits = torch.empty(num_rows, self.config.vocab_size, device=self.device) if want_logits else None
@@ -218,7 +224,16 @@ class MegakernelBackend:
         finally:
             given = {} if masks is None else {b: k for k, b in enumerate(masks.rows)}
             for b, slot in slots.items():
-                k = given.get(b)
-                self.kernel.release_mask(slot, seq, None if k is None else masks.bits[k],
-                                         ALWAYS if k is None else masks.triggers[k])
+                self._release(slot, seq, masks, given.get(b))
         assert masks is None or set(masks.rows) <= set(slots), "a mask for a row whose request has no grammar"
+        assert masks is None or self._text_mask is not None or all(d == NO_DORMANT_RULE for d in masks.dormant), \
+            "a dormant rule, and no text mask on the device (DecodeBatch.text_mask)"
+
+    def _release(self, slot: int, seq: int, masks: TokenMasks | None, k: int | None) -> None:
+        """Release one slot as step seq: with row k of masks (its words unless NEVER, its trigger and dormant
+        rule), or, k None, with no mask."""
+        if k is None:
+            self.kernel.release_mask(slot, seq, None, ALWAYS)
+            return
+        trigger, dormant = masks.triggers[k], masks.dormant[k] if masks.dormant else NO_DORMANT_RULE
+        self.kernel.release_mask(slot, seq, None if trigger == NEVER else masks.bits[k], trigger, dormant)

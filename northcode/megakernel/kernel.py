@@ -3,8 +3,9 @@
 `build_library(config)` compiles the .cu for the checkpoint's geometry (compile-time constants) into a
 cache under paths.data_dir()/kernels keyed by a hash of source, geometry, nvcc flags and nvcc version;
 `Megakernel` owns the library, the scratch buffers, the per-(batch, splits) task lists
-(tasks.py builds them) and the mask slots (`MaskSlots`: pinned host memory a constrained row's SAMPLE
-waits on, so a mask can be written while its step runs), and launches one step per call on the current
+(tasks.py builds them), the mask slots (`MaskSlots`: pinned host memory a constrained row's SAMPLE
+waits on, so a mask can be written while its step runs) and the text mask (device memory: what a dormant
+grammar's rule allows besides its trigger, uploaded once), and launches one step per call on the current
 stream without waiting for it; backend.py's `MegakernelBackend` is the engine's decode backend over it.
 Sampling happens on the device; this file never schedules requests and holds no engine state.
 """
@@ -34,7 +35,7 @@ __all__ = ["Megakernel", "RowSpec", "Schedule", "TaskType", "attention_splits", 
            "build_schedule", "flatten", "geometry", "load_library", "make_task", "place_waves", "summarize_profile",
            "unsupported_reason", "MAX_SPLITS", "PAGE_SIZE", "TASK_WORDS"]
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "megakernel.cu"
 NVCC_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 GEOMETRY_FIELDS = ("NC_HIDDEN", "NC_HEADS", "NC_KV_HEADS", "NC_HEAD_DIM", "NC_VOCAB", "NC_EXPERTS",
@@ -127,15 +128,16 @@ class Params(ctypes.Structure):
                 ("k_pool", _U64), ("v_pool", _U64), ("block_tables", _U64), ("num_pages", _I64),
                 ("max_seqs", _I32), ("max_pages_per_seq", _I32), ("tasks", _U64), ("task_start", _U64),
                 ("num_blocks", _I32), ("batch_size", _I32), ("counters", _U64), ("num_counters", _I32),
-                ("rows", _U64), ("tokens", _U64), ("status", _U64),
+                ("rows", _U64), ("tokens", _U64), ("status", _U64), ("text_mask", _U64),
                 *[(name, _U64) for name in SCRATCH_FIELDS], ("profile", _U64),
                 ("norm_eps", _F32), ("logit_scale", _F32), ("timeout_ns", _I64), ("trace_x", _U64),
                 ("trace_router", _U64)]
 
 
 ROW_FORMAT = "<iiiiQfffiQ"  # RowState: position, seq, step, top_k, seed, temperature, top_p, min_p, mask_seq, mask
-NO_MASK = -2  # a MaskSlot's trigger: the row is unconstrained this step (kNoMask in the .cu)
-SLOT_HEADER_WORDS = 4  # MaskSlot: ready, trigger, 2 words of padding, then the mask words
+NO_MASK = -2  # a MaskSlot's trigger: its words do not apply this step (kNoMask in the .cu; sampling.NEVER)
+NO_DORMANT_RULE = -1  # a MaskSlot's dormant: where its words do not apply, the row is unconstrained
+SLOT_HEADER_WORDS = 4  # MaskSlot: ready, trigger, dormant, a word of padding, then the mask words
 
 
 def load_library(path: Path, config: ModelConfig) -> ctypes.CDLL:
@@ -205,7 +207,7 @@ def mask_words(vocab_size: int) -> int:
 
 class MaskSlots:
     """Pinned host memory, mapped into the device's address space, that constrained rows read their token masks
-    from (MaskSlot in the .cu: ready, trigger, padding, the words; one per 128 bytes). `release` writes a slot
+    from (MaskSlot in the .cu: ready, trigger, dormant, padding, the words; one per 128 bytes). `release` writes a slot
     and then, after a fence, its ready word: the step whose rows point at it waits for that in SAMPLE, so the
     host may write a mask after the launch, while the model part of the step runs. A slot is rewritten only
     once the step that read it is done (the backend's turns)."""
@@ -226,9 +228,11 @@ class MaskSlots:
         assert 0 <= slot < self.host.shape[0], f"mask slot {slot} of {self.host.shape[0]}"
         return self.base + slot * self.stride * 4
 
-    def release(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int) -> None:
-        """Write the slot's mask (bits: int32 [ceil(V / 32)], or None: unconstrained this step) and its trigger
-        (sampling.ALWAYS or a token id), then release it as step `seq`."""
+    def release(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int,
+                dormant: int = NO_DORMANT_RULE) -> None:
+        """Write the slot's mask (bits: int32 [ceil(V / 32)], or None: no words this step), its trigger
+        (sampling.ALWAYS or a token id) and its dormant rule (NO_DORMANT_RULE, or the trigger a row may sample
+        besides the text tokens where the words do not apply), then release it as step `seq`."""
         assert bits is None or bits.device.type == "cpu", "a mask from the device: its copy would wait for this step"
         row = self.host[slot]
         if bits is None:
@@ -236,6 +240,7 @@ class MaskSlots:
         else:
             row[SLOT_HEADER_WORDS:SLOT_HEADER_WORDS + self.num_words].copy_(bits)
             row[1] = trigger
+        row[2] = dormant
         self._lib.nc_release_mask(ctypes.c_void_p(row.data_ptr()), seq)
 
 
@@ -277,6 +282,7 @@ class Megakernel:
         self._rows_turn = 0
         self.mask_slots = MaskSlots(mask_slots, config.vocab_size, self.lib)
         self._slot_addresses = {self.mask_slots.address(k) for k in range(mask_slots)}
+        self.text_mask: torch.Tensor | None = None  # device int32 [mask_words(V)], once set_text_mask uploaded it
 
     def _check_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         checked = {}
@@ -365,10 +371,21 @@ class Megakernel:
         """The device address of mask slot `slot`, for a RowSpec's mask."""
         return self.mask_slots.address(slot)
 
-    def release_mask(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int) -> None:
-        """Write mask slot `slot` (bits: int32 [ceil(V / 32)], None: unconstrained this step) and release it as
-        step `seq`: the rows pointing at it with that mask_seq sample once this returns (MaskSlots.release)."""
-        self.mask_slots.release(slot, seq, bits, trigger)
+    def release_mask(self, slot: int, seq: int, bits: torch.Tensor | None, trigger: int,
+                     dormant: int = NO_DORMANT_RULE) -> None:
+        """Write mask slot `slot` (bits: int32 [ceil(V / 32)], None: no words this step) and release it as step
+        `seq`: the rows pointing at it with that mask_seq sample once this returns (MaskSlots.release). A dormant
+        rule reads the text mask set_text_mask uploaded before the step's launch (none: the row is unconstrained)."""
+        self.mask_slots.release(slot, seq, bits, trigger, dormant)
+
+    def set_text_mask(self, bits: torch.Tensor) -> None:
+        """Upload the text tokens, host int32 [ceil(V / 32)] (GrammarCompiler.text_mask: static), that a dormant
+        rule allows besides its trigger, on the current stream: launches enqueued after it read it."""
+        assert bits.dtype == torch.int32 and bits.shape == (-(-self.config.vocab_size // 32),), "text mask shape"
+        padded = torch.zeros(mask_words(self.config.vocab_size), dtype=torch.int32)  # the kernel reads uint4s
+        padded[:bits.shape[0]] = bits
+        self.text_mask = to_device(padded, self.device)
+        self.params.text_mask = self.text_mask.data_ptr()
 
     def collect(self, tokens: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         """Enqueue copies of the last launch's sampled tokens (int32 [n]) and, when given, logits ([n, V] fp32)

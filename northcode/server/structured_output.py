@@ -7,8 +7,10 @@ After the generation prompt the model writes cmd4's markup (prompt_format.md, se
     writes calls, each call's parameters valid against its tool's schema, one call unless parallel_tool_calls;
   - auto: free text, or, once the model opens an action block, such calls (a grammar dormant until
     <|START_ACTION|>); with a response_format, the JSON answer or calls; none: the answer alone.
-With reasoning on (the prompt ends inside the thinking block) the thinking stays free: the grammar starts at
-<|END_THINKING|>. JSON is written as the template's tojson writes it (", " and ": ", no other whitespace).
+With reasoning on (the prompt ends inside the thinking block) the thinking stays free text and the grammar starts
+at <|END_THINKING|>, the only marker a thinking block before a forced answer (a call, a response_format) may
+write: it cannot end the turn or open a block first (GrammarSpec.ban_while_dormant); auto's free text may.
+JSON is written as the template's tojson writes it (", " and ": ", no other whitespace).
 A schema llguidance cannot enforce is a 400 naming the construct, except under auto: a tool's schema is then
 enforced leniently (the keywords llguidance lacks are left out), or as any object, and a warning is logged.
 """
@@ -42,7 +44,7 @@ def chat_grammar(chat: ChatRequest, prompt_ids: list[int], markers: Markers) -> 
         return _spec("action", rules, markers.start_action)
     answer = "action" if forced else " | ".join(name for name in ("text", "action") if name in rules)
     if prompt_ids and prompt_ids[-1] == markers.start_thinking:  # the thinking block is free; then the answer
-        return _spec(f"<[{markers.end_thinking}]> ({answer})", rules, markers.end_thinking)
+        return _spec(f"<[{markers.end_thinking}]> ({answer})", rules, markers.end_thinking, ban_while_dormant=True)
     return _spec(answer, rules, None)
 
 
@@ -81,9 +83,9 @@ def _enforced(schema: dict, param: str, lenient: bool) -> str:
     raise RequestError(f"{param}: this JSON schema cannot be enforced: {problem}", param)
 
 
-def _spec(start: str, rules: dict[str, str], trigger_id: int | None) -> GrammarSpec:
+def _spec(start: str, rules: dict[str, str], trigger_id: int | None, ban_while_dormant: bool = False) -> GrammarSpec:
     text = "\n".join(["%llguidance {}", f"start: {start}", *(f"{name}: {body}" for name, body in rules.items())])
     problem = grammar_problem(text)
     if problem is not None:  # every schema passed on its own: the rest is this module's
         raise RequestError(f"the request's response_format and tools cannot be enforced together: {problem}")
-    return GrammarSpec(text, trigger_id)
+    return GrammarSpec(text, trigger_id, ban_while_dormant)
