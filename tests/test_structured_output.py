@@ -146,19 +146,10 @@ def test_every_forced_call_carries_valid_arguments(client, stream):
                 **NO_THINKING}
         response = client.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
-        if stream:
-            calls: dict[int, list[str]] = {}
-            for line in response.text.splitlines():
-                if line.startswith("data: {") and (delta := json.loads(line[6:])["choices"]):
-                    for call in delta[0]["delta"].get("tool_calls") or []:
-                        calls.setdefault(call["index"], ["", ""])
-                        calls[call["index"]][0] += call["function"].get("name") or ""
-                        calls[call["index"]][1] += call["function"].get("arguments") or ""
-            found = [tuple(c) for c in calls.values()]
-        else:
-            message = response.json()["choices"][0]["message"]
-            assert response.json()["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
-            found = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+        finish, found = turn_of(response, stream)
+        assert finish == "tool_calls"
+        if not stream:
+            assert response.json()["choices"][0]["message"]["content"] is None
         assert_calls_valid(found)
         assert parallel or len(found) == 1
         if isinstance(choice, dict):
