@@ -27,6 +27,7 @@ from northcode import paths
 from northcode.config import ModelConfig
 from northcode.engine.device import to_device
 from northcode.engine.request import is_greedy_temperature
+from northcode.engine.sampling import NEVER, NO_DORMANT_RULE  # MaskSlot's trigger kNoMask, its dormant -1
 from northcode.megakernel.support import nvcc_path, unsupported_reason
 from northcode.megakernel.tasks import (MAX_SPLITS, PAGE_SIZE, TASK_WORDS, Schedule, TaskType, attention_splits,
                                         build_schedule, flatten, make_task, place_waves, summarize_profile)
@@ -135,8 +136,6 @@ class Params(ctypes.Structure):
 
 
 ROW_FORMAT = "<iiiiQfffiQ"  # RowState: position, seq, step, top_k, seed, temperature, top_p, min_p, mask_seq, mask
-NO_MASK = -2  # a MaskSlot's trigger: its words do not apply this step (kNoMask in the .cu; sampling.NEVER)
-NO_DORMANT_RULE = -1  # a MaskSlot's dormant: where its words do not apply, the row is unconstrained
 SLOT_HEADER_WORDS = 4  # MaskSlot: ready, trigger, dormant, a word of padding, then the mask words
 
 
@@ -236,7 +235,7 @@ class MaskSlots:
         assert bits is None or bits.device.type == "cpu", "a mask from the device: its copy would wait for this step"
         row = self.host[slot]
         if bits is None:
-            row[1] = NO_MASK
+            row[1] = NEVER  # its words do not apply this step
         else:
             row[SLOT_HEADER_WORDS:SLOT_HEADER_WORDS + self.num_words].copy_(bits)
             row[1] = trigger
